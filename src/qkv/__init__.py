@@ -1,0 +1,53 @@
+"""qkv: attention from scratch, done right.
+
+An exact, dependency-light NumPy reference of transformer attention, checked
+against PyTorch, with every step visible.
+
+Shape letters, used in every docstring:
+
+=====  ==========================================================
+B      batch size (functional calls accept any leading dims ``...``)
+H      heads (``Hq`` query heads, ``Hk`` key/value heads)
+L      query length (target sequence)
+S      key/value length (source sequence)
+D      head dim of queries and keys (``Dv`` for values)
+E      model (embedding) dim, ``E = H * D``
+V      vocabulary size
+=====  ==========================================================
+
+Conventions: boolean masks mean ``True`` = may attend; additive float masks
+go in ``bias=``. The functional core puts heads before the sequence,
+``(..., H, L, D)``; layers are batch first, ``(B, L, E)``.
+
+>>> import numpy as np, qkv
+>>> x = np.random.default_rng(0).standard_normal((2, 4, 8))  # (B, L, E)
+>>> q = k = v = qkv.split_heads(x, 2)                         # (B, H, L, D)
+>>> qkv.scaled_dot_product_attention(q, k, v, is_causal=True).shape
+(2, 2, 4, 4)
+"""
+
+from . import masks
+from .attention import attention_weights, scaled_dot_product_attention
+from .heads import merge_heads, split_heads
+from .layers import AttentionTrace, MultiHeadAttention
+from .positional import sinusoidal_position_encoding
+from .softmax import logsumexp, softmax
+from .text import Embedding, Vocabulary, tokenize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionTrace",
+    "Embedding",
+    "MultiHeadAttention",
+    "Vocabulary",
+    "attention_weights",
+    "logsumexp",
+    "masks",
+    "merge_heads",
+    "scaled_dot_product_attention",
+    "sinusoidal_position_encoding",
+    "softmax",
+    "split_heads",
+    "tokenize",
+]

@@ -1,0 +1,72 @@
+"""Input validation shared by every public function.
+
+Every check raises ``TypeError`` or ``ValueError`` with a message that names
+the argument, what was expected and what came, so a user never has to read a
+traceback from deep inside NumPy.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+
+def as_array(x, name: str, *, min_ndim: int = 0) -> np.ndarray:
+    """Convert ``x`` to an array, refusing objects NumPy would turn into ``dtype=object``."""
+    if isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(f"{name} should be an array, got {type(x).__name__}")
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:  # ragged lists, objects without __array__, ...
+        raise TypeError(f"{name} should be an array, got {type(x).__name__}: {exc}") from None
+    if arr.dtype == object or arr.dtype.kind in "USV":
+        raise TypeError(f"{name} should be a numeric array, got dtype {arr.dtype} from {type(x).__name__}")
+    if arr.ndim < min_ndim:
+        raise ValueError(f"{name} should have at least {min_ndim} dimensions, got shape {arr.shape}")
+    return arr
+
+
+def as_bool_mask(mask, name: str = "mask") -> np.ndarray:
+    """A boolean keep-mask (True = may attend); a float mask is an error, never a guess."""
+    arr = as_array(mask, name)
+    if arr.dtype != np.bool_:
+        raise TypeError(
+            f"{name} should be a boolean array (True = may attend), got dtype {arr.dtype}; "
+            "pass additive float biases as bias=, or convert PyTorch masks with qkv.masks.from_torch"
+        )
+    return arr
+
+
+def check_broadcast(arr: np.ndarray, target: tuple, name: str, target_name: str) -> None:
+    """``arr`` must broadcast to ``target`` without growing it."""
+    try:
+        got = np.broadcast_shapes(arr.shape, target)
+    except ValueError:
+        got = None
+    if got != tuple(target):
+        raise ValueError(f"{name} shape should broadcast to {target_name} {tuple(target)}, got {arr.shape}")
+
+
+def check_int(value, name: str, *, minimum: int | None = None) -> int:
+    """An integer (not bool) no smaller than ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} should be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} should be >= {minimum}, got {value}")
+    return value
+
+
+def as_rng(rng, name: str = "rng") -> np.random.Generator:
+    """A ``numpy.random.Generator`` from a seed or a Generator."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if isinstance(rng, bool) or not isinstance(rng, (numbers.Integral, np.random.SeedSequence)):
+        raise TypeError(f"{name} should be an int seed or a numpy.random.Generator, got {type(rng).__name__}")
+    return np.random.default_rng(rng)
+
+
+def float_dtype(*arrays: np.ndarray) -> np.dtype:
+    """The floating dtype NumPy promotion gives these arrays (ints and bools become float64)."""
+    return np.result_type(*arrays, 1.0)

@@ -1,0 +1,346 @@
+"""Multi-head attention as a layer, batch first: ``(B, L, E)``.
+
+The parameters are plain NumPy arrays laid out for ``x @ w`` (in, out),
+the way the tutorials write them; :meth:`MultiHeadAttention.load_torch_state_dict`
+and :meth:`MultiHeadAttention.torch_state_dict` translate from and to
+PyTorch's ``(out, in)`` layout.
+
+One head's slice of the fused ``(E, H * D)`` projection is the tutorials'
+per-head ``(E, D)`` weight: :meth:`MultiHeadAttention.per_head_weights`
+returns the ``(H, E, D)`` tensors, so both formulations are the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._checks import as_array, as_rng, check_int
+from .attention import scaled_dot_product_attention
+from .heads import merge_heads, split_heads
+
+__all__ = ["MultiHeadAttention", "AttentionTrace"]
+
+_PARAMS = ("w_query", "w_key", "w_value", "w_out", "b_query", "b_key", "b_value", "b_out")
+
+
+@dataclass(frozen=True)
+class AttentionTrace:
+    """Every intermediate of one :class:`MultiHeadAttention` call, per head.
+
+    Shapes are for batched input ``(B, L, E)``; unbatched input drops the B.
+
+    Attributes
+    ----------
+    query, key, value : ndarray, (B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, D)
+        The projected, split queries, keys and values.
+    scores : ndarray, (B, Hq, L, S)
+        Raw dot products ``q @ k.T``, before scaling.
+    scale : float
+        The factor the scores were multiplied by, ``1 / sqrt(D)``.
+    scaled_scores : ndarray, (B, Hq, L, S)
+        ``scores * scale + bias``, what the softmax sees.
+    mask : ndarray of bool, broadcastable to (B, Hq, L, S), or None
+        The mask actually applied (the given mask AND the causal mask).
+    weights : ndarray, (B, Hq, L, S)
+        Softmax of the scaled scores over the allowed keys.
+    context : ndarray, (B, Hq, L, D)
+        ``weights @ value`` per head, before the heads are merged.
+    merged : ndarray, (B, L, Hq * D)
+        The heads concatenated, before the output projection.
+    output : ndarray, (B, L, E)
+        The layer's output (identical to the untraced call).
+    """
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    scores: np.ndarray
+    scale: float
+    scaled_scores: np.ndarray
+    mask: np.ndarray | None
+    weights: np.ndarray
+    context: np.ndarray
+    merged: np.ndarray
+    output: np.ndarray
+
+
+def _uniform(gen: np.random.Generator, bound: float, shape, dtype) -> np.ndarray:
+    return gen.uniform(-bound, bound, size=shape).astype(dtype)
+
+
+class MultiHeadAttention:
+    """Multi-head attention with query/key/value/output projections.
+
+    Parameters
+    ----------
+    embed_dim : int
+        E, the model dim of queries and of the output.
+    num_heads : int
+        H, query heads; must divide ``embed_dim``. Head dim ``D = E // H``.
+    num_kv_heads : int, optional
+        Key/value heads (default ``num_heads``); fewer gives grouped-query
+        attention, 1 gives multi-query attention. Must divide ``num_heads``.
+    kdim, vdim : int, optional
+        Feature dims of the key and value inputs (default ``embed_dim``).
+    use_bias : bool, default True
+        Whether the four projections have biases.
+    dtype : numpy dtype, default float32
+    rng : int or numpy.random.Generator, optional
+        Seeds the initial weights (default seed 0): Xavier-uniform
+        query/key/value projections, PyTorch's default uniform output
+        projection, zero biases, as ``torch.nn.MultiheadAttention``.
+
+    Attributes
+    ----------
+    w_query : ndarray, (E, H * D)
+    w_key : ndarray, (kdim, Hk * D)
+    w_value : ndarray, (vdim, Hk * D)
+    w_out : ndarray, (H * D, E)
+    b_query, b_key, b_value, b_out : ndarray or None
+        (H * D,), (Hk * D,), (Hk * D,), (E,)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import MultiHeadAttention
+    >>> mha = MultiHeadAttention(8, 2, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((3, 5, 8)).astype(np.float32)  # (B, L, E)
+    >>> out, w = mha(x, return_weights=True)
+    >>> out.shape, w.shape  # (B, L, E), (B, H, L, S)
+    ((3, 5, 8), (3, 2, 5, 5))
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        use_bias: bool = True,
+        dtype=np.float32,
+        rng=None,
+    ):
+        self.embed_dim = check_int(embed_dim, "embed_dim", minimum=1)
+        self.num_heads = check_int(num_heads, "num_heads", minimum=1)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim should be divisible by num_heads, got embed_dim={embed_dim} and num_heads={num_heads}")
+        self.num_kv_heads = num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", minimum=1)
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads should divide num_heads, got num_kv_heads={self.num_kv_heads} and num_heads={num_heads}")
+        self.kdim = embed_dim if kdim is None else check_int(kdim, "kdim", minimum=1)
+        self.vdim = embed_dim if vdim is None else check_int(vdim, "vdim", minimum=1)
+        self.head_dim = embed_dim // num_heads
+        self.use_bias = bool(use_bias)
+        self.dtype = np.dtype(dtype)
+
+        gen = as_rng(0 if rng is None else rng, "rng")
+        E, Dh, Hk = self.embed_dim, self.head_dim, self.num_kv_heads
+        xavier = lambda fan_in, fan_out: math.sqrt(6.0 / (fan_in + fan_out))  # noqa: E731
+        self.w_query = _uniform(gen, xavier(E, E), (E, E), self.dtype)
+        self.w_key = _uniform(gen, xavier(self.kdim, Hk * Dh), (self.kdim, Hk * Dh), self.dtype)
+        self.w_value = _uniform(gen, xavier(self.vdim, Hk * Dh), (self.vdim, Hk * Dh), self.dtype)
+        self.w_out = _uniform(gen, 1.0 / math.sqrt(E), (E, E), self.dtype)
+        zeros = lambda n: np.zeros(n, self.dtype) if self.use_bias else None  # noqa: E731
+        self.b_query, self.b_key, self.b_value, self.b_out = zeros(E), zeros(Hk * Dh), zeros(Hk * Dh), zeros(E)
+
+    def __repr__(self) -> str:
+        kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        return f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, head_dim={self.head_dim})"
+
+    # ------------------------------------------------------------------ forward
+    def _inputs(self, query, key, value):
+        q_in = as_array(query, "query", min_ndim=2)
+        if key is None and value is not None:
+            raise ValueError("value was given without key; pass key too (or neither, for self-attention)")
+        k_in = q_in if key is None else as_array(key, "key", min_ndim=2)
+        v_in = k_in if value is None else as_array(value, "value", min_ndim=2)
+        for name, x, want in (("query", q_in, self.embed_dim), ("key", k_in, self.kdim), ("value", v_in, self.vdim)):
+            if x.ndim > 3:
+                raise ValueError(f"{name} shape should be (B, L, {want}) or (L, {want}), got {x.shape}")
+            if x.shape[-1] != want:
+                raise ValueError(f"{name} last dim should be {want}, got shape {x.shape}")
+        if not q_in.ndim == k_in.ndim == v_in.ndim:
+            raise ValueError(f"query, key and value should all be batched or all unbatched, got {q_in.shape}, {k_in.shape}, {v_in.shape}")
+        if q_in.ndim == 3 and not q_in.shape[0] == k_in.shape[0] == v_in.shape[0]:
+            raise ValueError(f"query, key and value batch sizes should match, got {q_in.shape}, {k_in.shape}, {v_in.shape}")
+        if k_in.shape[-2] != v_in.shape[-2]:
+            raise ValueError(f"key and value lengths (S) should match, got key {k_in.shape} and value {v_in.shape}")
+        return q_in, k_in, v_in
+
+    @staticmethod
+    def _project(x, w, b):
+        y = x @ w  # (..., L, out)
+        return y if b is None else y + b
+
+    def __call__(
+        self,
+        query,
+        key=None,
+        value=None,
+        *,
+        mask=None,
+        bias=None,
+        is_causal: bool = False,
+        return_weights: bool = False,
+        return_trace: bool = False,
+    ):
+        """Attend: self-attention when ``key``/``value`` are omitted, cross-attention otherwise.
+
+        Parameters
+        ----------
+        query : array_like, shape (B, L, E) or (L, E)
+        key : array_like, shape (B, S, kdim) or (S, kdim), optional
+            Defaults to ``query`` (self-attention).
+        value : array_like, shape (B, S, vdim) or (S, vdim), optional
+            Defaults to ``key``.
+        mask : array_like of bool, broadcastable to (B, H, L, S), optional
+            ``True`` = may attend; e.g. :func:`qkv.masks.padding` for padded
+            keys, :func:`qkv.masks.from_torch` for PyTorch masks.
+        bias : array_like of float, broadcastable to (B, H, L, S), optional
+            Added to the scaled scores.
+        is_causal : bool, default False
+            Bottom-right aligned causal mask (see :func:`qkv.masks.causal`).
+        return_weights : bool, default False
+            Also return the per-head weights (B, H, L, S).
+        return_trace : bool, default False
+            Also return an :class:`AttentionTrace` of every intermediate.
+
+        Returns
+        -------
+        output : ndarray, shape (B, L, E) or (L, E)
+        weights : ndarray, shape (B, H, L, S) or (H, L, S)
+            Only with ``return_weights``.
+        trace : AttentionTrace
+            Only with ``return_trace`` (after the weights if both are asked).
+        """
+        q_in, k_in, v_in = self._inputs(query, key, value)
+        q = split_heads(self._project(q_in, self.w_query, self.b_query), self.num_heads)  # (B, H, L, D)
+        k = split_heads(self._project(k_in, self.w_key, self.b_key), self.num_kv_heads)  # (B, Hk, S, D)
+        v = split_heads(self._project(v_in, self.w_value, self.b_value), self.num_kv_heads)  # (B, Hk, S, D)
+        want_weights = return_weights or return_trace
+        res = scaled_dot_product_attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal, return_weights=want_weights)
+        ctx, weights = res if want_weights else (res, None)  # (B, H, L, D), (B, H, L, S)
+        merged = merge_heads(ctx)  # (B, L, H * D)
+        out = self._project(merged, self.w_out, self.b_out)  # (B, L, E)
+        extra = []
+        if return_weights:
+            extra.append(weights)
+        if return_trace:
+            extra.append(self._trace(q, k, v, mask, bias, is_causal, weights, ctx, merged, out))
+        return (out, *extra) if extra else out
+
+    def _trace(self, q, k, v, mask, bias, is_causal, weights, ctx, merged, out) -> AttentionTrace:
+        # Only runs when a trace is asked for; recomputes the scores the fused
+        # call keeps to itself (they are cheap next to the learner's attention).
+        from . import masks as _masks
+
+        # Repeat key heads over their query groups so every trace array is per query head.
+        group = self.num_heads // self.num_kv_heads
+        k_per_q = np.repeat(k, group, axis=-3)
+        scores = q @ np.swapaxes(k_per_q, -1, -2)  # (B, H, L, S)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scaled = scores * scale if bias is None else scores * scale + np.asarray(bias)
+        L, S = scores.shape[-2:]
+        applied = _masks.combine(None if mask is None else np.asarray(mask), _masks.causal(L, S) if is_causal else None)
+        return AttentionTrace(
+            query=q, key=k, value=v, scores=scores, scale=scale, scaled_scores=scaled, mask=applied,
+            weights=weights, context=ctx, merged=merged, output=out,
+        )  # fmt: skip
+
+    # --------------------------------------------------------- per-head views
+    def per_head_weights(self) -> dict[str, np.ndarray]:
+        """The projections as the tutorials' per-head tensors.
+
+        Returns
+        -------
+        dict
+            ``"query"`` (H, E, D), ``"key"`` (Hk, kdim, D),
+            ``"value"`` (Hk, vdim, D), ``"out"`` (H, D, E). Head ``h``'s query
+            is ``x @ per_head["query"][h]``, and the output is
+            ``sum_h context[h] @ per_head["out"][h]`` (+ bias).
+
+        Examples
+        --------
+        >>> from qkv import MultiHeadAttention
+        >>> {k: v.shape for k, v in MultiHeadAttention(6, 3).per_head_weights().items()}
+        {'query': (3, 6, 2), 'key': (3, 6, 2), 'value': (3, 6, 2), 'out': (3, 2, 6)}
+        """
+        D = self.head_dim
+
+        def split_cols(w, heads):  # (in, H * D) -> (in, H, D) -> (H, in, D)
+            return w.reshape(w.shape[0], heads, D).transpose(1, 0, 2)
+
+        return {
+            "query": split_cols(self.w_query, self.num_heads),
+            "key": split_cols(self.w_key, self.num_kv_heads),
+            "value": split_cols(self.w_value, self.num_kv_heads),
+            "out": self.w_out.reshape(self.num_heads, D, self.embed_dim),  # rows of head h: (H, D, E)
+        }
+
+    # ------------------------------------------------------------ PyTorch I/O
+    def _expected_shapes(self) -> dict[str, tuple]:
+        E, Hk_D = self.embed_dim, self.num_kv_heads * self.head_dim
+        shapes = {"w_query": (E, E), "w_key": (self.kdim, Hk_D), "w_value": (self.vdim, Hk_D), "w_out": (E, E)}
+        if self.use_bias:
+            shapes.update(b_query=(E,), b_key=(Hk_D,), b_value=(Hk_D,), b_out=(E,))
+        return shapes
+
+    def _packed(self) -> bool:
+        return self.kdim == self.embed_dim and self.vdim == self.embed_dim
+
+    def torch_state_dict(self) -> dict[str, np.ndarray]:
+        """The parameters under ``torch.nn.MultiheadAttention``'s state-dict names and layouts.
+
+        Wrap the arrays with ``torch.from_numpy`` to load them into PyTorch.
+        """
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(f"torch.nn.MultiheadAttention has no grouped-query attention; this layer has num_kv_heads={self.num_kv_heads}")
+        sd = {}
+        if self._packed():
+            sd["in_proj_weight"] = np.concatenate([self.w_query.T, self.w_key.T, self.w_value.T])
+        else:
+            sd["q_proj_weight"], sd["k_proj_weight"], sd["v_proj_weight"] = self.w_query.T, self.w_key.T, self.w_value.T
+        if self.use_bias:
+            sd["in_proj_bias"] = np.concatenate([self.b_query, self.b_key, self.b_value])
+        sd["out_proj.weight"] = self.w_out.T
+        if self.use_bias:
+            sd["out_proj.bias"] = self.b_out
+        return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+    def load_torch_state_dict(self, state_dict) -> "MultiHeadAttention":
+        """Load parameters from a ``torch.nn.MultiheadAttention`` state dict (tensors or arrays).
+
+        Raises ``ValueError`` naming the key for a missing, unexpected or
+        misshapen entry. Returns ``self``.
+        """
+        sd = {name: as_array(value, f"state_dict[{name!r}]") for name, value in dict(state_dict).items()}
+        expected = self.torch_state_dict().keys()
+        missing = sorted(set(expected) - set(sd))
+        unexpected = sorted(set(sd) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"state_dict keys do not match {self!r}: missing {missing}, unexpected {unexpected}")
+        E = self.embed_dim
+        new = {"w_out": sd["out_proj.weight"].T}
+        if self._packed():
+            w = sd["in_proj_weight"]
+            if w.shape != (3 * E, E):
+                raise ValueError(f"state_dict['in_proj_weight'] shape should be {(3 * E, E)}, got {w.shape}")
+            new.update(w_query=w[:E].T, w_key=w[E : 2 * E].T, w_value=w[2 * E :].T)
+        else:
+            new.update(w_query=sd["q_proj_weight"].T, w_key=sd["k_proj_weight"].T, w_value=sd["v_proj_weight"].T)
+        if self.use_bias:
+            b = sd["in_proj_bias"]
+            if b.shape != (3 * E,):
+                raise ValueError(f"state_dict['in_proj_bias'] shape should be {(3 * E,)}, got {b.shape}")
+            new.update(b_query=b[:E], b_key=b[E : 2 * E], b_value=b[2 * E :], b_out=sd["out_proj.bias"])
+        for name, want in self._expected_shapes().items():
+            if new[name].shape != want:
+                raise ValueError(f"state_dict entry for {name} should have shape {want[::-1]} (torch layout), got {new[name].T.shape}")
+        for name, value in new.items():
+            setattr(self, name, np.ascontiguousarray(value, dtype=self.dtype))
+        return self

@@ -1,0 +1,118 @@
+"""Numerically stable softmax and log-sum-exp with a boolean keep-mask.
+
+Why subtract the maximum: ``exp(1000)`` overflows float64 (and ``exp(89)``
+float32), but ``softmax(x) == softmax(x - c)`` for any constant ``c``. With
+``c = max(x)`` every exponent is ``<= 0``, so every ``exp`` lies in ``(0, 1]``
+and the largest is exactly 1: no overflow, and the sum is at least 1.
+
+Why a keep-mask instead of adding ``-1e9``: a row where *nothing* is kept has
+no maximum to subtract; the ``-inf`` trick then gives ``-inf - -inf = NaN``.
+Here such a row gives all zeros (softmax) or ``-inf`` (log-sum-exp), and no
+warning is raised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import as_array, as_bool_mask, check_broadcast, float_dtype
+
+__all__ = ["softmax", "logsumexp"]
+
+
+def _prepare(x, axis, where):
+    x = as_array(x, "x")
+    dtype = float_dtype(x)
+    x = x.astype(dtype, copy=False)
+    if x.ndim == 0:
+        raise ValueError(f"x should have at least 1 dimension, got shape {x.shape}")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis should be in [{-x.ndim}, {x.ndim - 1}] for x of shape {x.shape}, got {axis}")
+    if where is not None:
+        where = as_bool_mask(where, "where")
+        check_broadcast(where, x.shape, "where", "x shape")
+    return x, where
+
+
+def _shifted(x, axis, where):
+    # The row maximum over kept entries; rows with nothing kept (or only -inf)
+    # shift by 0 instead of -inf so that no NaN appears.
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf, where=True if where is None else where)
+    m[~np.isfinite(m)] = 0
+    z = x - m
+    if where is not None:
+        z = np.where(where, z, -np.inf)
+    return z, m
+
+
+def softmax(x, axis: int = -1, *, where=None) -> np.ndarray:
+    """Stable softmax along ``axis``, optionally over kept entries only.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., N)
+        Scores. Integer input is promoted to float64; float dtypes are kept.
+    axis : int, default -1
+        The axis to normalise over.
+    where : array_like of bool, broadcastable to ``x.shape``, optional
+        Keep-mask: ``True`` entries take part, ``False`` entries get weight
+        exactly 0.
+
+    Returns
+    -------
+    ndarray, shape of ``x``
+        Non-negative weights summing to 1 along ``axis``; a slice with
+        nothing kept is all zeros.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import softmax
+    >>> softmax(np.array([1000.0, 1000.0]))  # no overflow
+    array([0.5, 0.5])
+    >>> softmax(np.array([[1.0, 2.0], [3.0, 4.0]]), where=np.array([[True, False], [False, False]]))
+    array([[1., 0.],
+           [0., 0.]])
+    """
+    x, where = _prepare(x, axis, where)
+    z, _ = _shifted(x, axis, where)
+    e = np.exp(z, out=z)
+    s = np.sum(e, axis=axis, keepdims=True)
+    s[s == 0] = 1  # only rows with nothing kept: their numerators are all 0
+    return np.divide(e, s, out=e)
+
+
+def logsumexp(x, axis: int = -1, *, where=None, keepdims: bool = False) -> np.ndarray:
+    """Stable ``log(sum(exp(x)))`` along ``axis``, optionally over kept entries only.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., N)
+        Values. Integer input is promoted to float64; float dtypes are kept.
+    axis : int, default -1
+        The axis to reduce.
+    where : array_like of bool, broadcastable to ``x.shape``, optional
+        Keep-mask: only ``True`` entries are summed.
+    keepdims : bool, default False
+        Keep the reduced axis with size 1.
+
+    Returns
+    -------
+    ndarray, shape (...,) (or (..., 1) with ``keepdims``)
+        ``-inf`` where nothing is kept.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import logsumexp
+    >>> round(float(logsumexp(np.array([1e4, 1e4]))), 6)  # 1e4 + log(2), no overflow
+    10000.693147
+    >>> logsumexp(np.array([1.0, 2.0]), where=np.array([False, False]))
+    array(-inf)
+    """
+    x, where = _prepare(x, axis, where)
+    z, m = _shifted(x, axis, where)
+    s = np.sum(np.exp(z, out=z), axis=axis, keepdims=True)
+    with np.errstate(divide="ignore"):  # log(0) = -inf is the right answer for an empty row
+        out = np.log(s) + m
+    return out if keepdims else np.squeeze(out, axis=axis)

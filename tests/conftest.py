@@ -1,0 +1,23 @@
+"""Shared test helpers. PyTorch is the oracle: imported here, never by qkv."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("qkv", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("qkv")
+
+# Tolerances from the issue: float64 to 1e-10 absolute-ish, float32 to 1e-5 relative.
+TOL = {np.float64: dict(rtol=1e-10, atol=1e-10), np.float32: dict(rtol=1e-5, atol=1e-6)}
+
+
+@pytest.fixture(scope="session")
+def torch():
+    import torch as _torch
+
+    _torch.set_num_threads(1)
+    return _torch
+
+
+def to_np(t):
+    return t.detach().cpu().numpy()

@@ -160,3 +160,30 @@ def test_load_state_dict_rejects_misshapen_tensor():
     sd["out_proj.weight"] = np.ones((8, 7), np.float32)
     with pytest.raises(ValueError, match=r"w_out should have shape \(8, 8\) \(torch layout\), got \(8, 7\)"):
         MultiHeadAttention(8, 2).load_torch_state_dict(sd)
+
+
+@pytest.mark.parametrize("num_kv_heads, causal", [(4, False), (2, True), (1, True)])
+def test_trace_holds_every_intermediate_and_changes_nothing(num_kv_heads, causal):
+    from qkv import softmax
+
+    mha = MultiHeadAttention(16, 4, num_kv_heads=num_kv_heads, rng=3, dtype=np.float64)
+    mha.b_query[:] = 0.5
+    rng = np.random.default_rng(4)
+    x, mem = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 7, 16))
+    pad = masks.padding([7, 4], 7)
+    plain = mha(x, mem, mask=pad, is_causal=causal)
+    out, w, t = mha(x, mem, mask=pad, is_causal=causal, return_weights=True, return_trace=True)
+    np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(t.output, plain)
+    np.testing.assert_array_equal(t.weights, w)
+    assert t.query.shape == (2, 4, 5, 4) and t.key.shape == (2, num_kv_heads, 7, 4) and t.scores.shape == (2, 4, 5, 7)
+    np.testing.assert_allclose(t.query, split_heads(x @ mha.w_query + mha.b_query, 4), rtol=1e-12)
+    np.testing.assert_allclose(t.scaled_scores, t.scores * t.scale, rtol=1e-12)
+    assert t.scale == 1 / np.sqrt(4)
+    expected_mask = masks.combine(pad, masks.causal(5, 7) if causal else None)
+    np.testing.assert_array_equal(t.mask, expected_mask)
+    np.testing.assert_allclose(t.weights, softmax(t.scaled_scores, where=np.broadcast_to(t.mask, t.scores.shape)), rtol=1e-12, atol=1e-15)
+    v = np.repeat(t.value, 4 // num_kv_heads, axis=1)
+    np.testing.assert_allclose(t.context, t.weights @ v, rtol=1e-12)
+    np.testing.assert_allclose(t.merged, merge_heads(t.context), rtol=0)
+    np.testing.assert_allclose(t.merged @ mha.w_out + mha.b_out, out, rtol=1e-12)

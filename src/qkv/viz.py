@@ -1,0 +1,288 @@
+"""Pictures of attention (optional extra: ``pip install 'qkv[viz]'``).
+
+Every function returns a :class:`matplotlib.figure.Figure` and, given
+``path``, saves it (PNG or SVG, by the file's suffix). Figures are made
+without ``pyplot``, so no window ever opens and no display is needed; in a
+notebook, display the returned figure.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ._checks import as_array
+
+try:
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.ticker import MaxNLocator
+except ImportError as exc:  # pragma: no cover - exercised through the CLI test with a blocked import
+    raise ImportError("qkv.viz needs matplotlib: pip install 'qkv[viz]'") from exc
+
+__all__ = [
+    "plot_attention",
+    "plot_position_encoding",
+    "plot_embedding_shift",
+    "plot_score_variance",
+    "pca_2d",
+    "save",
+]
+
+_MASKED_COLOR = "#d9d9d9"
+
+
+def save(fig: Figure, path, *, dpi: int = 120) -> Path:
+    """Save ``fig`` to ``path`` (.png or .svg), creating the folder; returns the path."""
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".svg"):
+        raise ValueError(f"path should end in .png or .svg, got {str(path)!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def _finish(fig: Figure, path):
+    if path is not None:
+        save(fig, path)
+    return fig
+
+
+def _labels(tokens, n: int, name: str) -> list[str]:
+    if tokens is None:
+        return [str(i) for i in range(n)]
+    tokens = [str(t) for t in tokens]
+    if len(tokens) != n:
+        raise ValueError(f"{name} should have {n} entries to match the weights, got {len(tokens)}")
+    return tokens
+
+
+def plot_attention(
+    weights,
+    tokens: Sequence[str] | None = None,
+    *,
+    query_tokens: Sequence[str] | None = None,
+    mask=None,
+    head_names: Sequence[str] | None = None,
+    title: str = "Attention weights",
+    ncols: int | None = None,
+    annotate: bool | None = None,
+    path=None,
+) -> Figure:
+    """Heatmaps of attention weights, one panel per head.
+
+    Parameters
+    ----------
+    weights : array_like, shape (H, L, S) or (L, S)
+        Rows are queries, columns keys.
+    tokens : sequence of str, length S, optional
+        Key tokens (x axis). Also the query tokens when ``query_tokens`` is
+        not given and ``L == S``.
+    query_tokens : sequence of str, length L, optional
+    mask : array_like of bool, broadcastable to (H, L, S), optional
+        Cells where the mask is ``False`` are drawn hatched grey, so a masked
+        cell never looks like a weight of zero.
+    head_names : sequence of str, length H, optional
+        Panel titles (default "head 0", "head 1", ...).
+    title : str
+    ncols : int, optional
+        Panels per row (default: a square-ish grid).
+    annotate : bool, optional
+        Write each weight in its cell (default: when the panels are small).
+    path : str or Path, optional
+        Save the figure there (.png or .svg).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    w = as_array(weights, "weights")
+    if w.ndim == 2:
+        w = w[None]
+    if w.ndim != 3:
+        raise ValueError(f"weights shape should be (H, L, S) or (L, S), got {w.shape}")
+    H, L, S = w.shape
+    keys = _labels(tokens, S, "tokens")
+    queries = _labels(query_tokens if query_tokens is not None else (tokens if L == S else None), L, "query_tokens")
+    keep = np.ones(w.shape, bool) if mask is None else np.broadcast_to(as_array(mask, "mask").astype(bool), w.shape)
+    names = list(head_names) if head_names is not None else [f"head {h}" for h in range(H)]
+    ncols = math.ceil(math.sqrt(H)) if ncols is None else ncols
+    nrows = math.ceil(H / ncols)
+    annotate = (L <= 12 and S <= 12) if annotate is None else annotate
+    cell = 0.42 if max(L, S) <= 16 else 0.25
+    fig = Figure(figsize=(ncols * (S * cell + 1.4) + 1.0, nrows * (L * cell + 1.4) + 0.6), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_MASKED_COLOR)
+    image = None
+    for h, ax in enumerate(axes):
+        if h >= H:
+            ax.set_axis_off()
+            continue
+        data = np.ma.masked_array(w[h], mask=~keep[h])
+        image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0, aspect="equal", interpolation="nearest")
+        ys, xs = np.nonzero(~keep[h])
+        for y, x in zip(ys, xs):  # hatch masked cells: "not allowed", not "weight 0"
+            ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#8c8c8c", linewidth=0))
+        if annotate:
+            for y in range(L):
+                for x in range(S):
+                    if keep[h, y, x]:
+                        v = w[h, y, x]
+                        ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
+        ax.set_title(names[h], fontsize=10)
+        ax.set_xticks(range(S), keys, rotation=90 if max(map(len, keys)) > 2 else 0, fontsize=8)
+        ax.set_yticks(range(L), queries, fontsize=8)
+        ax.set_xlabel("key (attended to)", fontsize=8)
+        ax.set_ylabel("query (attending)", fontsize=8)
+    fig.colorbar(image, ax=axes[:H].tolist(), shrink=0.8, label="attention weight")
+    if not keep.all():
+        fig.legend(handles=[Patch(facecolor=_MASKED_COLOR, hatch="///", edgecolor="#8c8c8c", label="masked (may not attend)")], loc="outside lower center", fontsize=8)
+    fig.suptitle(title)
+    return _finish(fig, path)
+
+
+def plot_position_encoding(table, *, title: str = "Sinusoidal position encoding", path=None) -> Figure:
+    """The ``(L, E)`` position-encoding table as a heatmap (positions down, dimensions across).
+
+    Parameters
+    ----------
+    table : array_like, shape (L, E)
+    title : str
+    path : str or Path, optional
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    pe = as_array(table, "table")
+    if pe.ndim != 2:
+        raise ValueError(f"table shape should be (L, E), got {pe.shape}")
+    L, E = pe.shape
+    fig = Figure(figsize=(min(12, max(7, 3 + E * 0.12)), min(8, max(4, 2.5 + L * 0.06))), layout="constrained")
+    ax = fig.add_subplot()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    image = ax.imshow(pe, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto", interpolation="nearest")
+    ax.set_xlabel("encoding dimension (even: sin, odd: cos; frequency falls to the right)")
+    ax.set_ylabel("position in the sequence")
+    ax.set_title(f"{title}, {L} positions x {E} dims")
+    fig.colorbar(image, ax=ax, label="value")
+    return _finish(fig, path)
+
+
+def pca_2d(*arrays) -> list[np.ndarray]:
+    """Project arrays of shape (N_i, E) onto the top two principal axes of all of them together.
+
+    Returns one (N_i, 2) array per input, in a shared coordinate system.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.viz import pca_2d
+    >>> a, b = pca_2d(np.eye(3), 2 * np.eye(3))
+    >>> a.shape, b.shape
+    ((3, 2), (3, 2))
+    """
+    xs = [as_array(a, f"arrays[{i}]").astype(np.float64) for i, a in enumerate(arrays)]
+    if not xs or any(x.ndim != 2 for x in xs) or len({x.shape[1] for x in xs}) != 1:
+        raise ValueError(f"arrays should be 2-D with the same number of columns, got {[x.shape for x in xs]}")
+    allx = np.concatenate(xs)
+    center = allx.mean(0)
+    _, _, vt = np.linalg.svd(allx - center, full_matrices=False)  # rows of vt: principal axes
+    axes = vt[:2].T  # (E, 2)
+    if axes.shape[1] < 2:
+        axes = np.pad(axes, ((0, 0), (0, 2 - axes.shape[1])))
+    return [(x - center) @ axes for x in xs]
+
+
+def plot_embedding_shift(
+    original,
+    contextual,
+    tokens: Sequence[str],
+    *,
+    title: str = "How attention moves word embeddings",
+    path=None,
+) -> Figure:
+    """Original vs contextual embeddings in 2-D (PCA), with an arrow per token.
+
+    Both sets are projected with the same PCA, fitted on the two together, so
+    the arrows show how attention moved each token.
+
+    Parameters
+    ----------
+    original : array_like, shape (L, E)
+        Embeddings before attention.
+    contextual : array_like, shape (L, E)
+        Embeddings after attention (same E).
+    tokens : sequence of str, length L
+    title : str
+    path : str or Path, optional
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    o, c = as_array(original, "original"), as_array(contextual, "contextual")
+    if o.shape != c.shape or o.ndim != 2:
+        raise ValueError(f"original and contextual should both be (L, E), got {o.shape} and {c.shape}")
+    labels = _labels(tokens, o.shape[0], "tokens")
+    o2, c2 = pca_2d(o, c)
+    fig = Figure(figsize=(8, 6.5), layout="constrained")
+    ax = fig.add_subplot()
+    for i in range(len(labels)):
+        ax.annotate("", xy=c2[i], xytext=o2[i], arrowprops=dict(arrowstyle="->", color="#7f7f7f", lw=1.2, alpha=0.8))
+    ax.scatter(*o2.T, color="#1f77b4", s=40, label="original (static) embedding", zorder=3)
+    ax.scatter(*c2.T, color="#d62728", s=40, marker="s", label="contextual (after attention)", zorder=3)
+    for i, t in enumerate(labels):
+        ax.annotate(t, o2[i], xytext=(4, 4), textcoords="offset points", color="#1f77b4", fontsize=9)
+        ax.annotate(t, c2[i], xytext=(4, -10), textcoords="offset points", color="#d62728", fontsize=9)
+    ax.set_xlabel("principal component 1")
+    ax.set_ylabel("principal component 2")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=9)
+    ax.set_title(title)
+    return _finish(fig, path)
+
+
+def plot_score_variance(stats: dict, *, title: str = "Why scale the scores by 1/sqrt(D)", path=None) -> Figure:
+    """Score variance and softmax peakedness vs head dim, unscaled vs scaled.
+
+    Parameters
+    ----------
+    stats : dict
+        The result of :func:`qkv.scaling.score_statistics`.
+    title : str
+    path : str or Path, optional
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    d = np.asarray(stats["dim"])
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.plot(d, stats["unscaled_var"], "o-", color="#d62728", label="unscaled  q . k")
+    left.plot(d, stats["scaled_var"], "s-", color="#1f77b4", label="scaled  q . k / sqrt(D)")
+    left.plot(d, d, ":", color="#7f7f7f", label="D (theory, unscaled)")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log", base=2)
+    left.set_xlabel("head dim D")
+    left.set_ylabel("variance of the scores")
+    left.set_title("Score variance grows with D unless scaled")
+    left.legend(fontsize=8)
+    left.grid(True, alpha=0.3)
+    right.plot(d, stats["unscaled_max_weight"], "o-", color="#d62728", label="unscaled")
+    right.plot(d, stats["scaled_max_weight"], "s-", color="#1f77b4", label="scaled")
+    right.set_xscale("log", base=2)
+    right.set_ylim(0, 1.02)
+    right.set_xlabel("head dim D")
+    right.set_ylabel("mean of the largest softmax weight")
+    right.set_title("Unscaled softmax saturates: one key takes all")
+    right.legend(fontsize=8)
+    right.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    return _finish(fig, path)

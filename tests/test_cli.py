@@ -1,0 +1,103 @@
+"""The command line, run as a user runs it: a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qkv import Embedding, MultiHeadAttention, Vocabulary, sinusoidal_position_encoding, tokenize
+
+
+def run(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+def test_demo_json_matches_the_library(tmp_path):
+    text = "The cat sat on the mat, and the dog sat too."
+    r = run("demo", text, "--heads", "2", "--dim", "8", "--seed", "5", "--causal", "--format", "json", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    tokens = tokenize(text)
+    assert got["tokens"] == tokens
+    # the same steps through the public API
+    rng = np.random.default_rng(5)
+    vocab = Vocabulary.from_texts([text])
+    emb = Embedding(len(vocab), 8, rng=rng)
+    x = (emb(vocab.encode(tokens)) + sinusoidal_position_encoding(len(tokens), 8)).astype(np.float32)
+    _, w = MultiHeadAttention(8, 2, rng=rng)(x, is_causal=True, return_weights=True)
+    np.testing.assert_allclose(np.array(got["weights"]), w, rtol=1e-6, atol=1e-7)
+    assert got["shapes"] == {"embeddings": [len(tokens), 8], "queries": [2, len(tokens), 4], "weights": [2, len(tokens), len(tokens)], "output": [len(tokens), 8]}
+    assert got["files"] == []
+
+
+def test_demo_default_writes_pictures_and_says_where(tmp_path):
+    r = run("demo", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "head 3:" in r.stdout and "animal" in r.stdout
+    for name in ("attention.png", "position_encoding.png", "embeddings_pca.png", "score_variance.png"):
+        path = tmp_path / "qkv-demo" / name
+        assert path.stat().st_size > 10_000
+        assert os.path.join("qkv-demo", name) in r.stdout
+    # rows of the printed tables sum to ~1
+    table = r.stdout.split("head 0:")[1].split("head 1:")[0].strip().splitlines()[2:]
+    sums = [sum(float(c) for c in line.split()[1:]) for line in table]
+    assert all(abs(s - 1) < 0.07 for s in sums), sums
+
+
+def test_json_lists_files(tmp_path):
+    r = run("demo", "hello world", "--heads", "1", "--dim", "4", "--format", "json", "--out", str(tmp_path / "pics"))
+    assert r.returncode == 0, r.stderr
+    files = json.loads(r.stdout)["files"]
+    assert len(files) == 4 and all(os.path.exists(f) for f in files)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["demo", "   "], "TEXT has no words to attend over"),
+        (["demo", "--heads", "3", "--dim", "8", "--no-plots"], "--dim 8 should be divisible by --heads 3"),
+    ],
+)
+def test_errors_are_one_line(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"qkv: error: {message}" or r.stderr.strip().startswith(f"qkv: error: {message}")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_unwritable_out_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    r = run("demo", "hi there", "--out", str(blocker / "pics"))
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"qkv: error: cannot write to --out '{blocker / 'pics'}'")
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_matplotlib(tmp_path):
+    fake = tmp_path / "fake" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
+    r = run("demo", "hi there", cwd=tmp_path, env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "qkv: error: plots need matplotlib: pip install 'qkv[viz]' (or pass --no-plots)"
+    assert run("demo", "hi there", "--no-plots", cwd=tmp_path, env=env).returncode == 0
+
+
+def test_help_for_every_command():
+    for args in (["--help"], ["demo", "--help"]):
+        r = run(*args)
+        assert r.returncode == 0 and "usage: qkv" in r.stdout
+
+
+def test_entry_point_installed():
+    import shutil
+
+    exe = shutil.which("qkv", path=os.path.dirname(sys.executable))
+    assert exe, "the qkv script is not installed next to this Python"
+    r = subprocess.run([exe, "demo", "a b c", "--no-plots", "--heads", "1", "--dim", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "head 0" in r.stdout

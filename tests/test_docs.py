@@ -1,0 +1,28 @@
+"""Every Python block in the docs is a doctest, so pytest runs it (see pyproject's doctest-glob)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_python_blocks_are_doctests(path):
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    for block in blocks:
+        assert block.lstrip().startswith(">>>"), f"{path.name}: a python block is not a doctest:\n{block[:200]}"
+        # a blank line must end the last output, or doctest would expect the closing fence
+        assert block.endswith("\n\n"), f"{path.name}: end the block with a blank line before ```:\n{block[-200:]}"
+
+
+def test_images_linked_from_docs_exist():
+    for path in DOCS:
+        for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", path.read_text()):
+            assert (path.parent / link).is_file(), f"{path.name} links a missing image {link}"
+
+
+def test_walkthrough_is_linked_from_readme():
+    assert "docs/walkthrough.md" in (ROOT / "README.md").read_text()

@@ -1,0 +1,246 @@
+"""A BERT-family encoder in NumPy, built on qkv's own attention.
+
+One layer, one formula per line (post-LayerNorm, as BERT)::
+
+    a = MultiHeadAttention(h, mask=real tokens)   # qkv.MultiHeadAttention, out proj = attention.output.dense
+    h = LayerNorm(h + a)
+    f = W2 @ act(W1 @ h + b1) + b2                # act: the config's hidden_act
+    h = LayerNorm(h + f)
+
+The token-wise parts (embeddings, LayerNorms, feed-forward) run on the real
+tokens only, packed into one ``(T, E)`` matrix: padding costs nothing there
+and cannot change a real token's result. Attention runs on the padded
+``(B, L, E)`` batch with a mask that hides the padding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from ..layers import MultiHeadAttention
+from .functional import ACTIVATIONS, layer_norm
+
+__all__ = ["BertConfig", "BertModel", "BertOutput", "ModelError"]
+
+
+class ModelError(ValueError):
+    """A model directory that qkv cannot load; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The fields of a Hugging Face ``config.json`` that a BERT encoder needs."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    position_embedding_type: str = "absolute"
+    model_type: str = "bert"
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "BertConfig":
+        model_type = d.get("model_type", "bert")
+        if model_type not in ("bert",):
+            raise ModelError(f"{source}: model_type {model_type!r} is not supported (qkv runs 'bert' encoders)")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
+        if missing:
+            raise ModelError(f"{source}: missing {missing}")
+        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ModelError(f"{source}: hidden_act {cfg.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        if cfg.position_embedding_type != "absolute":
+            raise ModelError(f"{source}: position_embedding_type {cfg.position_embedding_type!r} is not supported (only 'absolute')")
+        if cfg.hidden_size % cfg.num_attention_heads:
+            raise ModelError(f"{source}: hidden_size {cfg.hidden_size} is not divisible by num_attention_heads {cfg.num_attention_heads}")
+        return cfg
+
+    @classmethod
+    def from_file(cls, path) -> "BertConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ModelError(f"{path}: missing file (a model directory needs config.json)") from None
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(d, source=str(path))
+
+
+@dataclass
+class BertOutput:
+    """What :meth:`BertModel.__call__` returns.
+
+    Attributes
+    ----------
+    last_hidden_state : ndarray, (B, L, E)
+        Zero at padding positions.
+    hidden_states : tuple of ndarray, each (B, L, E), or None
+        The embeddings' output then every layer's (``num_hidden_layers + 1``).
+    attentions : tuple of ndarray, each (B, H, L, L), or None
+        Every layer's per-head weights; rows of padding queries and columns
+        of padding keys are zero.
+    """
+
+    last_hidden_state: np.ndarray
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
+
+
+class _Layer:
+    """One encoder layer's parameters: the attention is a qkv.MultiHeadAttention."""
+
+    def __init__(self, attention: MultiHeadAttention, ln1, w1, b1, w2, b2, ln2):
+        self.attention = attention
+        self.ln1, self.ln2 = ln1, ln2  # (weight, bias) pairs
+        self.w1, self.b1, self.w2, self.b2 = w1, b1, w2, b2  # (E, F), (F,), (F, E), (E,): pre-transposed for x @ w
+
+
+class BertModel:
+    """A BERT encoder (``BertModel``) running on NumPy and qkv's attention.
+
+    Build it with :meth:`from_weights` (a dict of arrays under Hugging Face
+    names, e.g. from ``safetensors.numpy.load_file``) or through
+    :func:`qkv.models.load_model`.
+    """
+
+    def __init__(self, config: BertConfig, embeddings: dict, layers: list[_Layer]):
+        self.config = config
+        self.word, self.position, self.token_type = embeddings["word"], embeddings["position"], embeddings["token_type"]
+        self.ln_emb = embeddings["ln"]
+        self.layers = layers
+
+    @classmethod
+    def from_weights(cls, config: BertConfig, weights: dict, *, source: str = "model.safetensors") -> "BertModel":
+        """Build from ``{name: array}`` with Hugging Face BERT names (an optional ``bert.`` prefix is accepted)."""
+        prefix = "bert." if "bert.embeddings.word_embeddings.weight" in weights else ""
+        E, F = config.hidden_size, config.intermediate_size
+
+        def get(name, shape):
+            key = prefix + name
+            if key not in weights:
+                raise ModelError(f"{source}: missing tensor {key!r}")
+            arr = np.asarray(weights[key])
+            if arr.shape != shape:
+                raise ModelError(f"{source}: tensor {key!r} should have shape {shape}, got {arr.shape}")
+            if arr.dtype.kind != "f":
+                raise ModelError(f"{source}: tensor {key!r} should be floating point, got {arr.dtype}")
+            return np.ascontiguousarray(arr, dtype=np.float32)
+
+        def ln(name):
+            return get(f"{name}.weight", (E,)), get(f"{name}.bias", (E,))
+
+        embeddings = {
+            "word": get("embeddings.word_embeddings.weight", (config.vocab_size, E)),
+            "position": get("embeddings.position_embeddings.weight", (config.max_position_embeddings, E)),
+            "token_type": get("embeddings.token_type_embeddings.weight", (config.type_vocab_size, E)),
+            "ln": ln("embeddings.LayerNorm"),
+        }
+        layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"encoder.layer.{i}."
+            mha = MultiHeadAttention(E, config.num_attention_heads, rng=0)
+            # Hugging Face stores Linear weights as (out, in); qkv's layer computes x @ w with (in, out).
+            mha.w_query = get(p + "attention.self.query.weight", (E, E)).T.copy()
+            mha.w_key = get(p + "attention.self.key.weight", (E, E)).T.copy()
+            mha.w_value = get(p + "attention.self.value.weight", (E, E)).T.copy()
+            mha.w_out = get(p + "attention.output.dense.weight", (E, E)).T.copy()
+            mha.b_query = get(p + "attention.self.query.bias", (E,))
+            mha.b_key = get(p + "attention.self.key.bias", (E,))
+            mha.b_value = get(p + "attention.self.value.bias", (E,))
+            mha.b_out = get(p + "attention.output.dense.bias", (E,))
+            layers.append(
+                _Layer(
+                    mha,
+                    ln(p + "attention.output.LayerNorm"),
+                    get(p + "intermediate.dense.weight", (F, E)).T.copy(),
+                    get(p + "intermediate.dense.bias", (F,)),
+                    get(p + "output.dense.weight", (E, F)).T.copy(),
+                    get(p + "output.dense.bias", (E,)),
+                    ln(p + "output.LayerNorm"),
+                )
+            )
+        return cls(config, embeddings, layers)
+
+    def _check(self, input_ids, attention_mask, token_type_ids):
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids should be a (B, L) integer array, got shape {ids.shape} dtype {ids.dtype}")
+        B, L = ids.shape
+        if L > self.config.max_position_embeddings:
+            raise ValueError(f"input_ids length {L} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"input_ids should lie in [0, {self.config.vocab_size - 1}], got values in [{ids.min()}, {ids.max()}]")
+        mask = np.ones((B, L), bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+        if mask.shape != (B, L):
+            raise ValueError(f"attention_mask shape should be {(B, L)}, got {mask.shape}")
+        types = np.zeros((B, L), np.int64) if token_type_ids is None else np.asarray(token_type_ids)
+        if types.shape != (B, L):
+            raise ValueError(f"token_type_ids shape should be {(B, L)}, got {types.shape}")
+        return ids, mask, types
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, output_hidden_states: bool = False, output_attentions: bool = False) -> BertOutput:
+        """Encode a batch of token ids.
+
+        Parameters
+        ----------
+        input_ids : array_like of int, shape (B, L)
+        attention_mask : array_like of {0, 1} or bool, shape (B, L), optional
+            1 for real tokens, 0 for padding (default: all real).
+        token_type_ids : array_like of int, shape (B, L), optional
+            Segment ids (default 0).
+        output_hidden_states : bool, default False
+        output_attentions : bool, default False
+            Also return every layer's per-head weights (B, H, L, L), from
+            the same pass.
+
+        Returns
+        -------
+        BertOutput
+        """
+        ids, real, types = self._check(input_ids, attention_mask, token_type_ids)
+        cfg = self.config
+        B, L = ids.shape
+        E = cfg.hidden_size
+        flat = np.flatnonzero(real)  # (T,)  positions of the real tokens in the (B * L) grid
+        positions = np.broadcast_to(np.arange(L), (B, L)).ravel()[flat]
+        h = self.word[ids.ravel()[flat]] + self.position[positions] + self.token_type[types.ravel()[flat]]  # (T, E)
+        h = layer_norm(h, *self.ln_emb, cfg.layer_norm_eps)
+        # Padding queries and padding keys are both masked: padding rows come out zero.
+        keep = real[:, None, None, :] & real[:, None, :, None]  # (B, 1, L, L)
+        act = ACTIVATIONS[cfg.hidden_act]
+
+        def unpack(x):  # (T, E) -> (B, L, E), zeros at padding
+            out = np.zeros((B * L, E), x.dtype)
+            out[flat] = x
+            return out.reshape(B, L, E)
+
+        hidden, attentions = [], []
+        if output_hidden_states:
+            hidden.append(unpack(h))
+        for layer in self.layers:
+            res = layer.attention(unpack(h), mask=keep, return_weights=output_attentions)  # (B, L, E)
+            a, w = res if output_attentions else (res, None)
+            h = layer_norm(a.reshape(B * L, E)[flat] + h, *layer.ln1, cfg.layer_norm_eps)  # (T, E)
+            f = act(h @ layer.w1 + layer.b1) @ layer.w2  # (T, E)
+            f += layer.b2
+            f += h
+            h = layer_norm(f, *layer.ln2, cfg.layer_norm_eps)
+            if output_hidden_states:
+                hidden.append(unpack(h))
+            if output_attentions:
+                attentions.append(w)
+        return BertOutput(
+            last_hidden_state=hidden[-1] if output_hidden_states else unpack(h),
+            hidden_states=tuple(hidden) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )

@@ -101,3 +101,49 @@ def test_entry_point_installed():
     assert exe, "the qkv script is not installed next to this Python"
     r = subprocess.run([exe, "demo", "a b c", "--no-plots", "--heads", "1", "--dim", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "head 0" in r.stdout
+
+
+# ------------------------------------------------------- real-model commands
+
+
+def test_embed_prints_cosine_matrix_and_saves(tmp_path):
+    from qkv.models import load_model
+
+    texts = ["I sat on the river bank", "I deposited cash at the bank"]
+    out = tmp_path / "e.npy"
+    r = run("embed", *texts, "--json", "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    want = load_model().encode(texts)
+    np.testing.assert_allclose(np.array(got["embeddings"]), want, atol=1e-6)
+    np.testing.assert_allclose(np.load(out), want, atol=1e-6)
+    np.testing.assert_allclose(np.array(got["cosine"]), want @ want.T, atol=1e-5)
+    r = run("embed", *texts)
+    assert r.returncode == 0 and "cosine similarity" in r.stdout
+    row = [line for line in r.stdout.splitlines() if line.startswith("[1]")][-1].split()
+    assert abs(float(row[1]) - float(want[0] @ want[1])) < 1e-3 and row[2] == "1.000"
+
+
+def test_attention_command_writes_heatmaps(tmp_path):
+    r = run("attention", "The cat sat on the mat.", "--layer", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "attention_layer1.png").stat().st_size > 10_000
+    assert str(tmp_path / "attention_layer1.png") in r.stdout
+    r = run("attention", "The cat sat on the mat.", "--head", "3", "--out", str(tmp_path))
+    assert r.returncode == 0 and (tmp_path / "attention_head3.png").is_file()
+    r = run("attention", "The cat.", "--layer", "9", "--out", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.strip() == "qkv: error: --layer should be in [0, 5], got 9"
+
+
+def test_demo_with_model_shows_bank_separating(tmp_path):
+    r = run("demo", "--model", "--format", "json", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    bank = [p for p in got["repeated_words"] if p["word"] == "bank"][0]
+    assert bank["static_cosine"] > 0.9999 and bank["contextual_cosine"] < 0.9
+    assert (tmp_path / "embeddings_pca_model.png").stat().st_size > 10_000
+
+
+def test_model_errors_are_one_line(tmp_path):
+    r = run("embed", "hello", "--model", str(tmp_path / "missing"))
+    assert r.returncode == 2 and r.stderr.strip() == f"qkv: error: {tmp_path / 'missing'}: not a model directory"

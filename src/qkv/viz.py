@@ -113,7 +113,7 @@ def plot_attention(
     ncols = math.ceil(math.sqrt(H)) if ncols is None else ncols
     nrows = math.ceil(H / ncols)
     annotate = (L <= 12 and S <= 12) if annotate is None else annotate
-    cell = 0.42 if max(L, S) <= 16 else 0.25
+    cell = min(0.42, 4.5 / max(L, S, 1))  # inches per cell: panels stay under ~5 inches
     fig = Figure(figsize=(ncols * (S * cell + 1.4) + 1.0, nrows * (L * cell + 1.4) + 0.6), layout="constrained")
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_MASKED_COLOR)
@@ -237,9 +237,13 @@ def plot_embedding_shift(
         ax.annotate("", xy=c2[i], xytext=o2[i], arrowprops=dict(arrowstyle="->", color="#7f7f7f", lw=1.2, alpha=0.8))
     ax.scatter(*o2.T, color="#1f77b4", s=40, label="original (static) embedding", zorder=3)
     ax.scatter(*c2.T, color="#d62728", s=40, marker="s", label="contextual (after attention)", zorder=3)
+    # The same word in two places has one static point: label it once, with every name it stands for.
+    at: dict[tuple, list[str]] = {}
     for i, t in enumerate(labels):
-        ax.annotate(t, o2[i], xytext=(4, 4), textcoords="offset points", color="#1f77b4", fontsize=9)
+        at.setdefault(tuple(np.round(o2[i], 6)), []).append(t)
         ax.annotate(t, c2[i], xytext=(4, -10), textcoords="offset points", color="#d62728", fontsize=9)
+    for xy, names in at.items():
+        ax.annotate(", ".join(dict.fromkeys(names)), xy, xytext=(4, 4), textcoords="offset points", color="#1f77b4", fontsize=9)
     ax.set_xlabel("principal component 1")
     ax.set_ylabel("principal component 2")
     ax.grid(True, alpha=0.3)

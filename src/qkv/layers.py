@@ -140,17 +140,89 @@ class MultiHeadAttention:
 
         gen = as_rng(0 if rng is None else rng, "rng")
         E, Dh, Hk = self.embed_dim, self.head_dim, self.num_kv_heads
+        # With kdim == vdim == embed_dim the three input projections live side by side in one
+        # (E, (H + 2 Hk) D) matrix, so self-attention projects with a single matmul;
+        # w_query, w_key and w_value are views into it (see the properties below).
+        self._sizes = (E, Hk * Dh, Hk * Dh)
+        self._fused = self.kdim == E and self.vdim == E
+        self._w_in = np.empty((E, sum(self._sizes)), self.dtype) if self._fused else None
+        self._b_in = np.zeros(sum(self._sizes), self.dtype) if self.use_bias else None
+        self._w = {}
         xavier = lambda fan_in, fan_out: math.sqrt(6.0 / (fan_in + fan_out))  # noqa: E731
         self.w_query = _uniform(gen, xavier(E, E), (E, E), self.dtype)
         self.w_key = _uniform(gen, xavier(self.kdim, Hk * Dh), (self.kdim, Hk * Dh), self.dtype)
         self.w_value = _uniform(gen, xavier(self.vdim, Hk * Dh), (self.vdim, Hk * Dh), self.dtype)
         self.w_out = _uniform(gen, 1.0 / math.sqrt(E), (E, E), self.dtype)
-        zeros = lambda n: np.zeros(n, self.dtype) if self.use_bias else None  # noqa: E731
-        self.b_query, self.b_key, self.b_value, self.b_out = zeros(E), zeros(Hk * Dh), zeros(Hk * Dh), zeros(E)
+        self.b_out = np.zeros(E, self.dtype) if self.use_bias else None
 
     def __repr__(self) -> str:
         kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
         return f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, head_dim={self.head_dim})"
+
+    # ------------------------------------------------------------ parameters
+    def _slot(self, i: int) -> slice:
+        start = sum(self._sizes[:i])
+        return slice(start, start + self._sizes[i])
+
+    def _get_w(self, i: int, name: str) -> np.ndarray:
+        return self._w_in[:, self._slot(i)] if self._fused else self._w[name]
+
+    def _set_w(self, i: int, name: str, value, rows: int) -> None:
+        value = as_array(value, name)
+        want = (rows, self._sizes[i])
+        if value.shape != want:
+            raise ValueError(f"{name} shape should be {want}, got {value.shape}")
+        if self._fused:
+            self._w_in[:, self._slot(i)] = value
+        else:
+            self._w[name] = np.ascontiguousarray(value, dtype=self.dtype)
+
+    def _get_b(self, i: int):
+        return None if self._b_in is None else self._b_in[self._slot(i)]
+
+    def _set_b(self, i: int, name: str, value) -> None:
+        if value is None or self._b_in is None:
+            if value is not None or self._b_in is not None:
+                raise ValueError(f"{name}: this layer has use_bias={self.use_bias}")
+            return
+        value = as_array(value, name)
+        if value.shape != (self._sizes[i],):
+            raise ValueError(f"{name} shape should be {(self._sizes[i],)}, got {value.shape}")
+        self._b_in[self._slot(i)] = value
+
+    w_query = property(lambda self: self._get_w(0, "w_query"), lambda self, v: self._set_w(0, "w_query", v, self.embed_dim))
+    w_key = property(lambda self: self._get_w(1, "w_key"), lambda self, v: self._set_w(1, "w_key", v, self.kdim))
+    w_value = property(lambda self: self._get_w(2, "w_value"), lambda self, v: self._set_w(2, "w_value", v, self.vdim))
+    b_query = property(lambda self: self._get_b(0), lambda self, v: self._set_b(0, "b_query", v))
+    b_key = property(lambda self: self._get_b(1), lambda self, v: self._set_b(1, "b_key", v))
+    b_value = property(lambda self: self._get_b(2), lambda self, v: self._set_b(2, "b_value", v))
+
+    def project_qkv(self, x, *, out=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Self-attention projections of ``x``: one fused matmul when the layer allows it.
+
+        Parameters
+        ----------
+        x : ndarray, shape (..., L, E)
+        out : ndarray, shape (..., L, (H + 2 Hk) * D), optional
+            Where to write the three projections side by side (saves an
+            allocation in hot loops); q, k and v are then views of it.
+
+        Returns
+        -------
+        q, k, v : ndarray, shapes (..., L, H * D), (..., L, Hk * D), (..., L, Hk * D)
+            Not yet split into heads.
+        """
+        names = ("query", "key", "value")
+        if not self._fused:
+            if out is None:
+                return tuple(self._project(x, getattr(self, f"w_{n}"), getattr(self, f"b_{n}")) for n in names)
+            return tuple(self._project(x, getattr(self, f"w_{n}"), getattr(self, f"b_{n}"), out[..., self._slot(i)]) for i, n in enumerate(names))
+        y = self._project(x, self._w_in, self._b_in, out)  # (..., L, (H + 2 Hk) D)
+        return tuple(y[..., self._slot(i)] for i in range(3))
+
+    def project_out(self, merged, *, out=None) -> np.ndarray:
+        """The output projection: ``(..., L, H * D) -> (..., L, E)`` (into ``out`` if given)."""
+        return self._project(merged, self.w_out, self.b_out, out)
 
     # ------------------------------------------------------------------ forward
     def _inputs(self, query, key, value):
@@ -173,9 +245,11 @@ class MultiHeadAttention:
         return q_in, k_in, v_in
 
     @staticmethod
-    def _project(x, w, b):
-        y = x @ w  # (..., L, out)
-        return y if b is None else y + b
+    def _project(x, w, b, out=None):
+        y = np.matmul(x, w, out=out)  # (..., L, out)
+        if b is not None:
+            y += b
+        return y
 
     def __call__(
         self,
@@ -219,14 +293,20 @@ class MultiHeadAttention:
             Only with ``return_trace`` (after the weights if both are asked).
         """
         q_in, k_in, v_in = self._inputs(query, key, value)
-        q = split_heads(self._project(q_in, self.w_query, self.b_query), self.num_heads)  # (B, H, L, D)
-        k = split_heads(self._project(k_in, self.w_key, self.b_key), self.num_kv_heads)  # (B, Hk, S, D)
-        v = split_heads(self._project(v_in, self.w_value, self.b_value), self.num_kv_heads)  # (B, Hk, S, D)
+        if key is None and value is None:
+            q, k, v = self.project_qkv(q_in)
+        else:
+            q = self._project(q_in, self.w_query, self.b_query)
+            k = self._project(k_in, self.w_key, self.b_key)
+            v = self._project(v_in, self.w_value, self.b_value)
+        q = split_heads(q, self.num_heads)  # (B, H, L, D)
+        k = split_heads(k, self.num_kv_heads)  # (B, Hk, S, D)
+        v = split_heads(v, self.num_kv_heads)  # (B, Hk, S, D)
         want_weights = return_weights or return_trace
         res = scaled_dot_product_attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal, return_weights=want_weights)
         ctx, weights = res if want_weights else (res, None)  # (B, H, L, D), (B, H, L, S)
         merged = merge_heads(ctx)  # (B, L, H * D)
-        out = self._project(merged, self.w_out, self.b_out)  # (B, L, E)
+        out = self.project_out(merged)  # (B, L, E)
         extra = []
         if return_weights:
             extra.append(weights)

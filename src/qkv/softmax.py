@@ -34,15 +34,30 @@ def _prepare(x, axis, where):
     return x, where
 
 
-def _shifted(x, axis, where):
-    # The row maximum over kept entries; rows with nothing kept (or only -inf)
-    # shift by 0 instead of -inf so that no NaN appears.
-    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf, where=True if where is None else where)
-    m[~np.isfinite(m)] = 0
-    z = x - m
+def _mask_(x, where):
+    # In place: entries not kept become -inf, which exp() turns into exact zeros.
     if where is not None:
-        z = np.where(where, z, -np.inf)
-    return z, m
+        np.copyto(x, -np.inf, where=~where)
+    return x
+
+
+def _row_max(x, axis):
+    # The row maximum; rows with nothing kept (all -inf) shift by 0 instead of
+    # -inf, so that -inf - max stays -inf instead of becoming NaN.
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
+    m[~np.isfinite(m)] = 0
+    return m
+
+
+def softmax_(x: np.ndarray, axis: int = -1, where=None) -> np.ndarray:
+    """In-place stable softmax of a float array the caller owns (no checks): the hot path."""
+    _mask_(x, where)
+    x -= _row_max(x, axis)
+    np.exp(x, out=x)
+    s = np.sum(x, axis=axis, keepdims=True)
+    s[s == 0] = 1  # only rows with nothing kept: their numerators are all 0
+    x /= s
+    return x
 
 
 def softmax(x, axis: int = -1, *, where=None) -> np.ndarray:
@@ -75,11 +90,7 @@ def softmax(x, axis: int = -1, *, where=None) -> np.ndarray:
            [0., 0.]])
     """
     x, where = _prepare(x, axis, where)
-    z, _ = _shifted(x, axis, where)
-    e = np.exp(z, out=z)
-    s = np.sum(e, axis=axis, keepdims=True)
-    s[s == 0] = 1  # only rows with nothing kept: their numerators are all 0
-    return np.divide(e, s, out=e)
+    return softmax_(x.copy(), axis, where)
 
 
 def logsumexp(x, axis: int = -1, *, where=None, keepdims: bool = False) -> np.ndarray:
@@ -111,7 +122,9 @@ def logsumexp(x, axis: int = -1, *, where=None, keepdims: bool = False) -> np.nd
     array(-inf)
     """
     x, where = _prepare(x, axis, where)
-    z, m = _shifted(x, axis, where)
+    z = _mask_(x.copy(), where)
+    m = _row_max(z, axis)
+    z -= m
     s = np.sum(np.exp(z, out=z), axis=axis, keepdims=True)
     with np.errstate(divide="ignore"):  # log(0) = -inf is the right answer for an empty row
         out = np.log(s) + m

@@ -16,13 +16,17 @@ and cannot change a real token's result. Attention runs on the padded
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
+from .._parallel import default_workers, run_all
+from ..attention import scaled_dot_product_attention
+from ..heads import merge_heads, split_heads
 from ..layers import MultiHeadAttention
-from .functional import ACTIVATIONS, layer_norm
+from .functional import ACTIVATIONS, ACTIVATIONS_INPLACE, layer_norm
 
 __all__ = ["BertConfig", "BertModel", "BertOutput", "ModelError"]
 
@@ -96,6 +100,24 @@ class BertOutput:
     attentions: tuple | None = None
 
 
+_local = threading.local()
+
+
+def _workspace(rows: int, E: int, F: int) -> dict:
+    """This thread's scratch buffers for one token block, made once and reused."""
+    key = (rows, E, F)
+    ws = getattr(_local, "ws", None)
+    if ws is None or ws["key"] != key:
+        ws = _local.ws = {
+            "key": key,
+            "x": np.empty((rows, E), np.float32),
+            "f": np.empty((rows, E), np.float32),
+            "u": np.empty((rows, F), np.float32),
+            "work": [np.empty((rows, F), np.float32) for _ in range(3)],
+        }
+    return ws
+
+
 class _Layer:
     """One encoder layer's parameters: the attention is a qkv.MultiHeadAttention."""
 
@@ -113,8 +135,12 @@ class BertModel:
     :func:`qkv.models.load_model`.
     """
 
-    def __init__(self, config: BertConfig, embeddings: dict, layers: list[_Layer]):
+    #: Token rows per work item in the token-wise parts (the (rows, F) activations stay in cache).
+    block_rows = 128
+
+    def __init__(self, config: BertConfig, embeddings: dict, layers: list[_Layer], *, workers: int | None = None):
         self.config = config
+        self.workers = default_workers() if workers is None else workers
         self.word, self.position, self.token_type = embeddings["word"], embeddings["position"], embeddings["token_type"]
         self.ln_emb = embeddings["ln"]
         self.layers = layers
@@ -210,35 +236,76 @@ class BertModel:
         ids, real, types = self._check(input_ids, attention_mask, token_type_ids)
         cfg = self.config
         B, L = ids.shape
-        E = cfg.hidden_size
+        E, H = cfg.hidden_size, cfg.num_attention_heads
+        eps = cfg.layer_norm_eps
+        workers = self.workers
         flat = np.flatnonzero(real)  # (T,)  positions of the real tokens in the (B * L) grid
+        T = flat.size
         positions = np.broadcast_to(np.arange(L), (B, L)).ravel()[flat]
         h = self.word[ids.ravel()[flat]] + self.position[positions] + self.token_type[types.ravel()[flat]]  # (T, E)
-        h = layer_norm(h, *self.ln_emb, cfg.layer_norm_eps)
+        h = layer_norm(h, *self.ln_emb, eps)
         # Padding queries and padding keys are both masked: padding rows come out zero.
         keep = real[:, None, None, :] & real[:, None, :, None]  # (B, 1, L, L)
-        act = ACTIVATIONS[cfg.hidden_act]
+        act = ACTIVATIONS_INPLACE[cfg.hidden_act]
+        rows = [slice(i, i + self.block_rows) for i in range(0, T, self.block_rows)]  # token blocks
+        batches = [slice(i, i + -(-B // workers)) for i in range(0, B, -(-B // workers))]  # sequence blocks
 
-        def unpack(x):  # (T, E) -> (B, L, E), zeros at padding
-            out = np.zeros((B * L, E), x.dtype)
+        def unpack(x):  # (T, X) -> (B, L, X), zeros at padding
+            out = np.zeros((B * L, x.shape[-1]), x.dtype)
             out[flat] = x
-            return out.reshape(B, L, E)
+            return out.reshape(B, L, -1)
 
         hidden, attentions = [], []
         if output_hidden_states:
             hidden.append(unpack(h))
+        F = cfg.intermediate_size
+        qkv = np.empty((T, 3 * E), np.float32)  # the fused projections of the real tokens
+        grid = np.zeros((B * L, 3 * E), np.float32)  # the same on the padded grid; padding rows stay 0
         for layer in self.layers:
-            res = layer.attention(unpack(h), mask=keep, return_weights=output_attentions)  # (B, L, E)
-            a, w = res if output_attentions else (res, None)
-            h = layer_norm(a.reshape(B * L, E)[flat] + h, *layer.ln1, cfg.layer_norm_eps)  # (T, E)
-            f = act(h @ layer.w1 + layer.b1) @ layer.w2  # (T, E)
-            f += layer.b2
-            f += h
-            h = layer_norm(f, *layer.ln2, cfg.layer_norm_eps)
+            mha = layer.attention
+            # 1. Query/key/value projections, token-wise: real tokens only, one fused matmul.
+            run_all([lambda r=r, mha=mha, h=h: mha.project_qkv(h[r], out=qkv[r]) for r in rows], workers)
+            # 2. Attention per sequence, on the padded grid: qkv's core function.
+            grid[flat] = qkv
+            q, k, v = (split_heads(grid[:, i * E : (i + 1) * E].reshape(B, L, E), H) for i in range(3))  # (B, H, L, D)
+            ctx = np.empty((B, H, L, E // H), np.float32)
+            weights = np.empty((B, H, L, L), np.float32) if output_attentions else None
+
+            def attend(b, q=q, k=k, v=v, ctx=ctx, weights=weights):
+                res = scaled_dot_product_attention(q[b], k[b], v[b], mask=keep[b], return_weights=output_attentions)
+                if output_attentions:
+                    ctx[b], weights[b] = res
+                else:
+                    ctx[b] = res
+
+            run_all([lambda b=b: attend(b) for b in batches], workers)
+            merged = merge_heads(ctx).reshape(B * L, E)[flat]  # (T, E)
+            # 3. Output projection, residual + LayerNorm, feed-forward, residual + LayerNorm, token-wise,
+            #    in blocks whose (rows, F) activations stay in cache, in per-thread scratch buffers
+            #    (fresh large temporaries cost page faults on every call).
+            new_h = np.empty_like(h)
+
+            def mlp(r, layer=layer, mha=mha, merged=merged, h=h, new_h=new_h):
+                n = len(range(*r.indices(T)))
+                ws = _workspace(self.block_rows, E, F)
+                x, f, u = ws["x"][:n], ws["f"][:n], ws["u"][:n]
+                mha.project_out(merged[r], out=x)
+                x += h[r]
+                layer_norm(x, *layer.ln1, eps, out=x)  # (rows, E)
+                np.matmul(x, layer.w1, out=u)
+                u += layer.b1
+                act(u, [w[:n] for w in ws["work"]])  # (rows, F)
+                np.matmul(u, layer.w2, out=f)
+                f += layer.b2
+                f += x
+                layer_norm(f, *layer.ln2, eps, out=new_h[r])
+
+            run_all([lambda r=r: mlp(r) for r in rows], workers)
+            h = new_h
             if output_hidden_states:
                 hidden.append(unpack(h))
             if output_attentions:
-                attentions.append(w)
+                attentions.append(weights)
         return BertOutput(
             last_hidden_state=hidden[-1] if output_hidden_states else unpack(h),
             hidden_states=tuple(hidden) if output_hidden_states else None,

@@ -59,8 +59,71 @@ def erf(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return np.copysign(y, x, out=out)
 
 
-def gelu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def _gelu_erf_(x: np.ndarray, work: list) -> np.ndarray:
+    """Exact GELU in place, with three scratch arrays shaped like ``x``.
+
+    ``gelu(x) = x * Phi(x)`` and, with ``q = 1 - Phi(|x|) = 0.5 * erfc(|x| / sqrt 2)``
+    from the same A&S 7.1.26 polynomial, ``gelu(x) = max(x, 0) - |x| * q`` for
+    either sign of x: one formula, no branch, no cancellation near 0.
+    """
+    a, t, y = work
+    dt = x.dtype.type
+    np.abs(x, out=a)
+    np.multiply(a, dt(_P / math.sqrt(2)), out=t)
+    t += 1
+    np.reciprocal(t, out=t)  # t = 1 / (1 + p |x| / sqrt 2)
+    np.multiply(t, dt(0.5 * _A[4]), out=y)
+    for c in _A[3::-1]:  # Horner, the 0.5 of Phi folded into the coefficients
+        y += dt(0.5 * c)
+        y *= t
+    np.multiply(a, a, out=t)
+    t *= dt(-0.5)
+    np.exp(t, out=t)  # exp(-x^2 / 2)
+    y *= t  # q
+    y *= a  # |x| q
+    np.maximum(x, 0, out=x)
+    x -= y
+    return x
+
+
+def _gelu_tanh_(x: np.ndarray, work: list) -> np.ndarray:
+    """Tanh-approximate GELU in place, with one scratch array shaped like ``x``."""
+    y = work[0]
+    dt = x.dtype.type
+    np.multiply(x, x, out=y)
+    y *= dt(0.044715)
+    y += 1
+    y *= x
+    y *= dt(math.sqrt(2 / math.pi))
+    np.tanh(y, out=y)
+    y += 1
+    y *= dt(0.5)
+    x *= y
+    return x
+
+
+def _relu_(x: np.ndarray, work: list) -> np.ndarray:
+    return np.maximum(x, 0, out=x)
+
+
+#: In-place activations by their Hugging Face config names: ``f(x, work) -> x``,
+#: ``work`` a list of three scratch arrays shaped like ``x``.
+ACTIVATIONS_INPLACE = {"gelu": _gelu_erf_, "gelu_new": _gelu_tanh_, "gelu_pytorch_tanh": _gelu_tanh_, "gelu_fast": _gelu_tanh_, "relu": _relu_}
+ACTIVATIONS = ACTIVATIONS_INPLACE  # the names qkv supports
+
+
+def _allocating(fn):
+    def apply(x):
+        x = np.array(x, copy=True, dtype=np.result_type(np.asarray(x).dtype, np.float32))
+        return fn(x, [np.empty_like(x) for _ in range(3)])
+
+    return apply
+
+
+def gelu(x) -> np.ndarray:
     """Exact GELU, ``x * Phi(x) = 0.5 x (1 + erf(x / sqrt(2)))`` (BERT's ``"gelu"``).
+
+    Max error 4e-7 in float32 (measured against PyTorch's in the tests).
 
     Examples
     --------
@@ -69,15 +132,10 @@ def gelu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     >>> gelu(np.array([-1.0, 0.0, 1.0])).round(6)
     array([-0.158655,  0.      ,  0.841345])
     """
-    x = np.asarray(x)
-    dt = x.dtype.type
-    y = erf(x * dt(1 / math.sqrt(2)))
-    y += 1
-    y *= dt(0.5)
-    return np.multiply(y, x, out=out)
+    return _allocating(_gelu_erf_)(x)
 
 
-def gelu_tanh(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def gelu_tanh(x) -> np.ndarray:
     """Tanh approximation of GELU (``"gelu_new"``, ``"gelu_pytorch_tanh"``, GPT-2's).
 
     ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``
@@ -89,27 +147,10 @@ def gelu_tanh(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     >>> gelu_tanh(np.array([-1.0, 0.0, 1.0])).round(6)
     array([-0.158808,  0.      ,  0.841192])
     """
-    x = np.asarray(x)
-    dt = x.dtype.type
-    y = x * x
-    y *= dt(0.044715)
-    y += 1
-    y *= x
-    y *= dt(math.sqrt(2 / math.pi))
-    np.tanh(y, out=y)
-    y += 1
-    y *= dt(0.5)
-    return np.multiply(y, x, out=out)
+    return _allocating(_gelu_tanh_)(x)
 
 
-def _relu(x, out=None):
-    return np.maximum(x, 0, out=out)
-
-
-ACTIVATIONS = {"gelu": gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "gelu_fast": gelu_tanh, "relu": _relu}
-
-
-def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, *, out: np.ndarray | None = None) -> np.ndarray:
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
     Parameters
@@ -119,12 +160,15 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) 
     eps : float
         Added to the variance (BERT: 1e-12).
 
+    out : ndarray, shape (..., E), optional
+        Where to write the result (may be ``x``).
+
     Returns
     -------
     ndarray, shape (..., E)
     """
     mean = x.mean(-1, keepdims=True)
-    y = x - mean
+    y = np.subtract(x, mean, out=out)
     var = np.mean(np.square(y), -1, keepdims=True)
     var += x.dtype.type(eps)
     np.sqrt(var, out=var)

@@ -1,0 +1,59 @@
+"""Shared by the benchmark scripts: machine description and writing a section of docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+HEADER = """# Benchmarks
+
+Measured by the scripts in `benchmarks/`, never by timed tests. Each section
+below is rewritten by the script named in it; the command that reproduces it
+is given there. Times are medians after warm-up; ratios compare runs made
+side by side in the same process.
+"""
+
+
+def machine() -> str:
+    import numpy as np
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, NumPy {np.__version__}"
+
+
+def median_time(fn, *, repeat: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeat`` runs, after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def write_section(name: str, body: str) -> Path:
+    """Replace (or append) the section between this script's markers in docs/benchmarks.md."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = DOC.read_text() if DOC.exists() else HEADER
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text:
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
+    return DOC

@@ -1,0 +1,73 @@
+"""Run independent NumPy work items on a thread pool.
+
+NumPy's ufuncs and BLAS release the GIL, so threads run in parallel. Two
+BLAS thread pools fighting over the same cores is slower than one, so while
+the pool runs, BLAS is pinned to one thread per worker (with threadpoolctl,
+an optional dependency: ``pip install 'qkv[fast]'``) and restored after.
+Without threadpoolctl, work runs serially with BLAS's own threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+__all__ = ["default_workers", "run_all", "map_rows"]
+
+_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+_controller = None  # threadpoolctl.ThreadpoolController, made once (it scans the loaded libraries)
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _blas_pinned():
+    global _controller
+    try:
+        import threadpoolctl
+    except ImportError:
+        return None
+    with _lock:
+        if _controller is None:
+            _controller = threadpoolctl.ThreadpoolController()
+    return _controller.limit(limits=1, user_api="blas")
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qkv")
+        return _pools[workers]
+
+
+def run_all(tasks: Sequence[Callable[[], object]], workers: int | None = None) -> list:
+    """Run every task (a no-argument callable), in parallel where it pays; results in order."""
+    workers = default_workers() if workers is None else workers
+    if workers <= 1 or len(tasks) <= 1:
+        return [t() for t in tasks]
+    pin = _blas_pinned()
+    if pin is None:  # no threadpoolctl: nested BLAS threads would oversubscribe; stay serial
+        return [t() for t in tasks]
+    with pin:
+        return list(_pool(min(workers, len(tasks))).map(lambda t: t(), tasks))
+
+
+def map_rows(fn: Callable, x, out, *, block: int, workers: int | None = None) -> None:
+    """``out[i:j] = fn(x[i:j])`` for row blocks of ``block`` rows, spread over the workers."""
+    n = x.shape[0]
+
+    def task(i):
+        def run():
+            out[i : i + block] = fn(x[i : i + block])
+
+        return run
+
+    run_all([task(i) for i in range(0, n, block)], workers)

@@ -169,14 +169,25 @@ def test_dropout_is_seeded_inverted_and_rng_required():
     a, wa = scaled_dot_product_attention(q, k, v, dropout_p=0.3, rng=0, return_weights=True)
     b, wb = scaled_dot_product_attention(q, k, v, dropout_p=0.3, rng=np.random.default_rng(0), return_weights=True)
     np.testing.assert_array_equal(a, b)
+    c = scaled_dot_product_attention(q, k, v, dropout_p=0.3, rng=1)
+    assert not np.array_equal(a, c)
     _, w = scaled_dot_product_attention(q, k, v, return_weights=True)
-    # each weight is either dropped or scaled by 1 / (1 - p), with the documented draw order
-    keep = np.random.default_rng(0).random(w.shape) >= 0.3
-    np.testing.assert_allclose(wa, np.where(keep, w / 0.7, 0), rtol=1e-12)
+    # each weight is either dropped or scaled by 1 / (1 - p)
+    kept = wa != 0
+    np.testing.assert_allclose(wa[kept], w[kept] / 0.7, rtol=1e-12)
     np.testing.assert_allclose(a, wa @ np.repeat(v, q.shape[-3] // v.shape[-3], axis=-3), rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="rng is required when dropout_p > 0"):
         scaled_dot_product_attention(q, k, v, dropout_p=0.1)
     np.testing.assert_array_equal(scaled_dot_product_attention(q, k, v, dropout_p=1.0, rng=0), 0)
+
+
+def test_dropout_pattern_is_uniform_at_rate_p():
+    from qkv.attention import dropout_keep
+
+    keep = dropout_keep(np.uint64(12345), np.arange(200_000, dtype=np.uint64), 0.25)
+    assert abs(keep.mean() - 0.75) < 0.005  # binomial sd ~ 0.001
+    # neighbouring indices are not correlated
+    assert abs(np.corrcoef(keep[:-1], keep[1:])[0, 1]) < 0.01
 
 
 # ------------------------------------------------------------ property tests

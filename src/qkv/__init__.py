@@ -27,7 +27,7 @@ go in ``bias=``. The functional core puts heads before the sequence,
 """
 
 from . import masks
-from .attention import attention_weights, scaled_dot_product_attention
+from .attention import attention_weights, memory_estimate, merge_attention, scaled_dot_product_attention
 from .heads import merge_heads, split_heads
 from .layers import AttentionTrace, MultiHeadAttention
 from .positional import sinusoidal_position_encoding
@@ -44,6 +44,8 @@ __all__ = [
     "attention_weights",
     "logsumexp",
     "masks",
+    "memory_estimate",
+    "merge_attention",
     "merge_heads",
     "scaled_dot_product_attention",
     "sinusoidal_position_encoding",

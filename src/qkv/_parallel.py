@@ -51,7 +51,9 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 def run_all(tasks: Sequence[Callable[[], object]], workers: int | None = None) -> list:
     """Run every task (a no-argument callable), in parallel where it pays; results in order."""
     workers = default_workers() if workers is None else workers
-    if workers <= 1 or len(tasks) <= 1:
+    # Inside a worker already (nested parallel calls): run here, since waiting on the
+    # same pool from one of its own threads could deadlock it.
+    if workers <= 1 or len(tasks) <= 1 or threading.current_thread().name.startswith("qkv"):
         return [t() for t in tasks]
     pin = _blas_pinned()
     if pin is None:  # no threadpoolctl: nested BLAS threads would oversubscribe; stay serial

@@ -27,10 +27,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import masks as _masks
-from ._checks import as_array, as_bool_mask, as_rng, check_broadcast, float_dtype
+from ._checks import as_array, as_bool_mask, as_rng, check_broadcast, check_int, float_dtype
 from .softmax import softmax_
 
-__all__ = ["scaled_dot_product_attention", "attention_weights"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "attention_weights",
+    "merge_attention",
+    "memory_estimate",
+    "choose_implementation",
+    "dropout_keep",
+]
 
 
 @dataclass
@@ -48,6 +55,18 @@ class _Problem:
     unbatched: bool  # query came as (L, D)
     out_shape: tuple  # (..., Hq, L, Dv) before removing the heads axis of unbatched input
     scores_shape: tuple  # (..., Hq, L, S)
+    window: tuple | None  # (left, right) keys around each query's position, bottom-right aligned; None = no limit
+
+    def structural_mask(self) -> np.ndarray | None:
+        """The causal / sliding-window mask as an (L, S) array (the direct path needs it materialised)."""
+        if self.window is None:
+            return None
+        L, S = self.scores_shape[-2:]
+        left, right = self.window
+        return _masks.sliding_window(L, S, left=left, right=right)
+
+    def full_mask(self) -> np.ndarray | None:
+        return _masks.combine(self.mask, self.structural_mask())
 
 
 def _heads_axis(x: np.ndarray) -> np.ndarray:
@@ -69,7 +88,19 @@ def _group(x: np.ndarray | None, Hk: int, G: int, name: str) -> np.ndarray | Non
     return x.reshape(*x.shape[:-3], Hk, G, *x.shape[-2:])
 
 
-def _prepare(query, key, value, mask, bias, is_causal, scale) -> _Problem:
+def _window(is_causal: bool, window) -> tuple | None:
+    """Combine ``is_causal`` and ``window=(left, right)`` into one (left, right) limit, or None."""
+    if window is None:
+        return (None, 0) if is_causal else None
+    if not (isinstance(window, tuple) and len(window) == 2):
+        raise TypeError(f"window should be a (left, right) tuple of int or None, got {window!r}")
+    left, right = (None if w is None else check_int(w, f"window[{i}]", minimum=0) for i, w in enumerate(window))
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _Problem:
     q = as_array(query, "query", min_ndim=2)
     k = as_array(key, "key", min_ndim=2)
     v = None if value is None else as_array(value, "value", min_ndim=2)
@@ -116,8 +147,6 @@ def _prepare(query, key, value, mask, bias, is_causal, scale) -> _Problem:
     if mask is not None:
         mask = as_bool_mask(mask, "mask")
         check_broadcast(mask, user_scores_shape, "mask", "scores")
-    if is_causal:
-        mask = _masks.combine(mask, _masks.causal(L, S))
     if bias is not None:
         bias = as_array(bias, "bias")
         if bias.dtype == np.bool_:
@@ -141,32 +170,60 @@ def _prepare(query, key, value, mask, bias, is_causal, scale) -> _Problem:
         unbatched=unbatched,
         out_shape=(*batch, Hq, L, Dv),
         scores_shape=scores_shape,
+        window=_window(bool(is_causal), window),
     )
 
 
-def _weights(p: _Problem) -> np.ndarray:
-    """Softmax weights, (..., Hk, G, L, S) in the compute dtype."""
+def _weights(p: _Problem, want_lse: bool = False):
+    """Softmax weights, (..., Hk, G, L, S) in the compute dtype (and the log-sum-exp per row)."""
     # The scale goes on the queries (L x D numbers) rather than the scores (L x S).
     scores = (p.q * p.q.dtype.type(p.scale)) @ np.swapaxes(p.k, -1, -2)  # (..., Hk, G, L, S)
     if p.bias is not None:
         scores = scores + p.bias  # may broadcast to a bigger shape: not in place
-    if scores.shape != np.broadcast_shapes(scores.shape, () if p.mask is None else p.mask.shape):
-        scores = np.array(np.broadcast_to(scores, np.broadcast_shapes(scores.shape, p.mask.shape)))
-    return softmax_(scores, -1, p.mask)
+    mask = p.full_mask()
+    if mask is not None and scores.shape != np.broadcast_shapes(scores.shape, mask.shape):
+        scores = np.array(np.broadcast_to(scores, np.broadcast_shapes(scores.shape, mask.shape)))
+    return softmax_(scores, -1, mask, want_lse=want_lse)
 
 
-def _dropout(weights: np.ndarray, dropout_p: float, rng) -> np.ndarray:
-    if dropout_p == 0.0:
-        return weights
+def _need_rng(rng):
     if rng is None:
         raise ValueError("rng is required when dropout_p > 0 (an int seed or a numpy.random.Generator)")
-    gen = as_rng(rng)
-    # One uniform draw per weight, in C order of (..., Hq, L, S): the stream a
-    # given seed produces does not depend on how the work is split.
-    keep = gen.random(weights.shape, dtype=np.float64) >= dropout_p
+    return rng
+
+
+def _dropout_key(rng) -> np.uint64:
+    """One 64-bit key from ``rng`` (an int seed or a Generator): the whole call's dropout pattern."""
+    return as_rng(rng).integers(0, 2**64, dtype=np.uint64)
+
+
+def dropout_keep(key, index: np.ndarray, dropout_p: float) -> np.ndarray:
+    """Whether each weight is kept: a hash of (key, its flat index in (..., Hq, L, S)), >= p.
+
+    A counter-based draw (SplitMix64's mixing function), so that any block of
+    the weights gets its pattern without drawing the others: the direct and
+    the tiled path drop exactly the same weights.
+    """
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps around, as the hash intends
+        z = index.astype(np.uint64) + np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)  # uniform in [0, 1)
+    return u >= dropout_p
+
+
+def _dropout(weights: np.ndarray, p: _Problem, dropout_p: float, rng) -> np.ndarray:
+    if dropout_p == 0.0:
+        return weights
+    key = _dropout_key(_need_rng(rng))
     if dropout_p == 1.0:
         return np.zeros_like(weights)
-    return np.where(keep, weights * (1.0 / (1.0 - dropout_p)), 0).astype(weights.dtype, copy=False)
+    index = np.arange(math.prod(weights.shape), dtype=np.uint64).reshape(weights.shape)  # C order of (..., Hq, L, S)
+    keep = dropout_keep(key, index, dropout_p)
+    return np.where(keep, weights * weights.dtype.type(1.0 / (1.0 - dropout_p)), 0).astype(weights.dtype, copy=False)
 
 
 def _check_dropout(dropout_p) -> float:
@@ -190,10 +247,14 @@ def scaled_dot_product_attention(
     mask=None,
     bias=None,
     is_causal: bool = False,
+    window: tuple | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     rng=None,
     return_weights: bool = False,
+    return_lse: bool = False,
+    implementation: str = "auto",
+    workers: int | None = None,
 ):
     """Scaled dot-product attention: ``softmax(query @ key.T * scale + bias, where=mask) @ value``.
 
@@ -226,10 +287,28 @@ def scaled_dot_product_attention(
         Probability of zeroing each weight (kept weights are divided by
         ``1 - dropout_p``). Needs ``rng`` when > 0.
     rng : int or numpy.random.Generator, optional
-        Source of the dropout draws: one uniform number per weight, in C order
-        of the ``(..., Hq, L, S)`` weights.
+        Source of the dropout pattern: one 64-bit key is drawn from it, and
+        the weight at flat index ``n`` of the ``(..., Hq, L, S)`` weights (C
+        order) is kept iff a hash of ``(key, n)`` mapped to ``[0, 1)`` is
+        ``>= dropout_p`` (see :func:`dropout_keep`). Both implementations drop
+        the same weights for the same ``rng``.
     return_weights : bool, default False
         Also return the weights. The output is bit-identical either way.
+        Needs the direct implementation (the weights are ``L x S``).
+    return_lse : bool, default False
+        Also return the natural log-sum-exp of each query row's (masked,
+        biased, scaled) scores, ``(..., Hq, L)``, ``-inf`` where nothing may
+        be attended; with it, :func:`merge_attention` combines attention over
+        disjoint key sets exactly.
+    implementation : {"auto", "direct", "tiled"}
+        ``"direct"`` materialises the ``(..., Hq, L, S)`` scores;
+        ``"tiled"`` runs :func:`qkv.flash.tiled_attention` (online softmax over
+        key blocks, O((L + S) D) memory, parallel over heads and query
+        blocks). ``"auto"`` takes the direct path when the weights are asked
+        for or the scores are small (see :func:`choose_implementation`), the
+        tiled one otherwise.
+    workers : int, optional
+        Threads for the tiled path (default: the CPUs available).
 
     Returns
     -------
@@ -239,6 +318,8 @@ def scaled_dot_product_attention(
         Only with ``return_weights``: the weights that multiplied the values
         (after dropout, as PyTorch returns them); zero rows where nothing may
         be attended.
+    lse : ndarray, shape (..., Hq, L)
+        Only with ``return_lse`` (after the weights if both are asked).
 
     Notes
     -----
@@ -260,24 +341,38 @@ def scaled_dot_product_attention(
     >>> w.sum(axis=-1)
     array([1., 1.])
     """
-    p = _prepare(query, key, value, mask, bias, is_causal, scale)
+    p = _prepare(query, key, value, mask, bias, is_causal, scale, window)
     dropout_p = _check_dropout(dropout_p)
-    weights = _dropout(_weights(p), dropout_p, rng)  # (..., Hk, G, L, S)
+    impl = choose_implementation(p, implementation, return_weights)
+    if impl == "tiled":
+        from .flash import tiled_attention
+
+        key_ = None if dropout_p == 0.0 else _dropout_key(_need_rng(rng))
+        out, lse = tiled_attention(p, dropout_p=dropout_p, dropout_key=key_, workers=workers)
+        extra = [_finish(lse[..., None], p, 1)[..., 0]] if return_lse else []
+        out = _finish(out, p, p.out_shape[-1])
+        return (out, *extra) if extra else out
+    res = _weights(p, want_lse=return_lse)
+    weights, lse = res if return_lse else (res, None)
+    weights = _dropout(weights, p, dropout_p, rng)  # (..., Hk, G, L, S)
     out = weights @ p.v  # (..., Hk, G, L, Dv)
     out = _finish(out, p, p.out_shape[-1])
+    extra = []
     if return_weights:
-        return out, _finish(weights, p, p.scores_shape[-1])
-    return out
+        extra.append(_finish(weights, p, p.scores_shape[-1]))
+    if return_lse:
+        extra.append(_finish(lse[..., None], p, 1)[..., 0])
+    return (out, *extra) if extra else out
 
 
-def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = False, scale: float | None = None):
+def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = False, window=None, scale: float | None = None):
     """The attention weights alone: ``softmax(query @ key.T * scale + bias, where=mask)``.
 
     Parameters
     ----------
     query : array_like, shape (..., Hq, L, D) or (L, D)
     key : array_like, shape (..., Hk, S, D) or (S, D)
-    mask, bias, is_causal, scale
+    mask, bias, is_causal, window, scale
         As in :func:`scaled_dot_product_attention`.
 
     Returns
@@ -294,5 +389,150 @@ def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = Fal
     array([[0.5  , 0.5  , 0.   ],
            [0.333, 0.333, 0.333]])
     """
-    p = _prepare(query, key, None, mask, bias, is_causal, scale)
+    p = _prepare(query, key, None, mask, bias, is_causal, scale, window)
     return _finish(_weights(p), p, p.scores_shape[-1])
+
+
+# ------------------------------------------------------------ choosing a path
+
+#: Above this many bytes of scores, "auto" takes the tiled path (measured crossover: docs/benchmarks.md).
+AUTO_TILED_MIN_BYTES = 4 << 20
+
+_IMPLEMENTATIONS = ("auto", "direct", "tiled")
+
+
+def _estimate(batch, Hq, Hk, L, S, D, Dv, itemsize, implementation, *, masked, dropout, workers) -> int:
+    n_batch = math.prod(batch)
+    n_scores = n_batch * Hq * L * S
+    if implementation == "direct":
+        extra = n_scores * itemsize  # the scores, turned into the weights in place
+        extra += n_scores if masked else 0  # the inverted boolean mask
+        extra += n_scores * 24 if dropout else 0  # flat indices, hash, keep mask
+        extra += n_batch * Hq * L * (D * itemsize + 16)  # scaled queries, row max and sum
+        return int(extra)
+    from .flash import BLOCK_K, BLOCK_Q
+
+    G = Hq // Hk
+    rows = G * min(BLOCK_Q, L)
+    cols = min(BLOCK_K, S)
+    kv = n_batch * Hk * S * (D + 1 + Dv + 1) * itemsize  # keys and values with a column of ones
+    per_worker = (rows * cols * (itemsize + (1 if masked else 0) + (24 if dropout else 0)) + rows * (D + 1 + 2 * (Dv + 1)) * itemsize + rows * 32)
+    workers = 1 if workers is None else workers
+    return int(kv + per_worker * workers + n_batch * Hq * L * 8)
+
+
+def memory_estimate(query_shape, key_shape, value_shape=None, *, dtype=np.float32, implementation: str = "direct", masked: bool = False, dropout: bool = False, workers: int | None = None) -> int:
+    """Bytes of working memory one attention call needs beyond its inputs and output.
+
+    Parameters
+    ----------
+    query_shape, key_shape, value_shape : tuple of int
+        ``(..., Hq, L, D)``, ``(..., Hk, S, D)``, ``(..., Hk, S, Dv)`` (value
+        defaults to the key's shape).
+    dtype : numpy dtype, default float32
+    implementation : {"direct", "tiled"}
+    masked : bool
+        Whether a mask, ``is_causal`` or ``window`` is given.
+    dropout : bool
+    workers : int, optional
+        Threads of the tiled path (default: the CPUs available).
+
+    Returns
+    -------
+    int
+
+    Examples
+    --------
+    >>> from qkv import memory_estimate
+    >>> shapes = (1, 8, 65536, 64), (1, 8, 65536, 64)
+    >>> round(memory_estimate(*shapes, implementation="direct") / 2**30)  # GiB of scores
+    128
+    >>> memory_estimate(*shapes, implementation="tiled", workers=2) < 2**30
+    True
+    """
+    if implementation not in ("direct", "tiled"):
+        raise ValueError(f"implementation should be 'direct' or 'tiled', got {implementation!r}")
+    value_shape = key_shape if value_shape is None else value_shape
+    *qb, Hq, L, D = query_shape
+    *kb, Hk, S, _ = key_shape
+    Dv = value_shape[-1]
+    batch = np.broadcast_shapes(tuple(qb), tuple(kb))
+    if workers is None:
+        from ._parallel import default_workers
+
+        workers = default_workers()
+    itemsize = max(np.dtype(dtype).itemsize, 4)
+    return _estimate(batch, Hq, Hk, L, S, D, Dv, itemsize, implementation, masked=masked, dropout=dropout, workers=workers)
+
+
+def choose_implementation(p: _Problem, implementation: str = "auto", return_weights: bool = False) -> str:
+    """Which path a call takes: ``"direct"`` or ``"tiled"``.
+
+    ``"auto"``: direct when the weights are asked for (only it has them) or
+    the scores take at most :data:`AUTO_TILED_MIN_BYTES`; tiled otherwise.
+    """
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(f"implementation should be one of {_IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "tiled" and return_weights:
+        raise ValueError("return_weights needs implementation='direct' (or 'auto'): the tiled path never forms the L x S weights")
+    if implementation != "auto":
+        return implementation
+    if return_weights:
+        return "direct"
+    scores_bytes = math.prod(p.scores_shape) * p.compute_dtype.itemsize
+    return "tiled" if scores_bytes > AUTO_TILED_MIN_BYTES else "direct"
+
+
+# ------------------------------------------------------------ merging partial results
+
+
+def merge_attention(outputs, lses):
+    """Combine attention over disjoint key sets into attention over their union, exactly.
+
+    If ``outputs[i], lses[i] = scaled_dot_product_attention(q, k_i, v_i, return_lse=True)``
+    for a split of the keys and values into parts ``k_i, v_i``, then the
+    merged output equals attention over all keys: each part is weighted by
+    ``exp(lse_i - lse)``, where ``lse = logaddexp(lse_0, lse_1, ...)``. This is
+    how blockwise and ring attention combine blocks.
+
+    Parameters
+    ----------
+    outputs : sequence of array_like, each shape (..., L, Dv)
+    lses : sequence of array_like, each shape (..., L)
+
+    Returns
+    -------
+    output : ndarray, shape (..., L, Dv)
+        Zero rows where no part had anything to attend to.
+    lse : ndarray, shape (..., L)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import merge_attention, scaled_dot_product_attention as sdpa
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((4, 8)), rng.standard_normal((10, 8)), rng.standard_normal((10, 3))
+    >>> a = sdpa(q, k[:6], v[:6], return_lse=True)
+    >>> b = sdpa(q, k[6:], v[6:], return_lse=True)
+    >>> out, lse = merge_attention([a[0], b[0]], [a[1], b[1]])
+    >>> bool(np.allclose(out, sdpa(q, k, v)))
+    True
+    """
+    outputs = [as_array(o, f"outputs[{i}]", min_ndim=2) for i, o in enumerate(outputs)]
+    lses = [as_array(x, f"lses[{i}]", min_ndim=1) for i, x in enumerate(lses)]
+    if not outputs or len(outputs) != len(lses):
+        raise ValueError(f"outputs and lses should be non-empty and of equal length, got {len(outputs)} and {len(lses)}")
+    for i, (o, x) in enumerate(zip(outputs, lses)):
+        if o.shape[:-1] != x.shape or o.shape != outputs[0].shape:
+            raise ValueError(f"outputs[{i}] shape {o.shape} and lses[{i}] shape {x.shape} should be (..., L, Dv) and (..., L), alike for every part")
+    stacked = np.stack(lses)  # (P, ..., L)
+    m = np.max(stacked, axis=0)
+    m_safe = np.where(np.isfinite(m), m, 0)
+    w = np.exp(stacked - m_safe)  # (P, ..., L); -inf parts weigh 0
+    total = w.sum(axis=0)
+    empty = total == 0
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, np.log(np.where(empty, 1, total)) + m_safe)
+    w /= np.where(empty, 1, total)
+    out = sum(wi[..., None] * o for wi, o in zip(w, outputs))
+    return out.astype(np.result_type(*outputs), copy=False), lse

@@ -49,15 +49,25 @@ def _row_max(x, axis):
     return m
 
 
-def softmax_(x: np.ndarray, axis: int = -1, where=None) -> np.ndarray:
-    """In-place stable softmax of a float array the caller owns (no checks): the hot path."""
+def softmax_(x: np.ndarray, axis: int = -1, where=None, *, want_lse: bool = False):
+    """In-place stable softmax of a float array the caller owns (no checks): the hot path.
+
+    With ``want_lse``, also returns the log-sum-exp along ``axis`` (``-inf``
+    where nothing is kept), which costs no extra pass.
+    """
     _mask_(x, where)
-    x -= _row_max(x, axis)
+    m = _row_max(x, axis)
+    x -= m
     np.exp(x, out=x)
     s = np.sum(x, axis=axis, keepdims=True)
-    s[s == 0] = 1  # only rows with nothing kept: their numerators are all 0
+    empty = s == 0  # only rows with nothing kept: their numerators are all 0
+    s[empty] = 1
     x /= s
-    return x
+    if not want_lse:
+        return x
+    lse = np.log(s) + m
+    lse[empty] = -np.inf
+    return x, np.squeeze(lse, axis=axis)
 
 
 def softmax(x, axis: int = -1, *, where=None) -> np.ndarray:

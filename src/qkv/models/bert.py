@@ -272,7 +272,7 @@ class BertModel:
             weights = np.empty((B, H, L, L), np.float32) if output_attentions else None
 
             def attend(b, q=q, k=k, v=v, ctx=ctx, weights=weights):
-                res = scaled_dot_product_attention(q[b], k[b], v[b], mask=keep[b], return_weights=output_attentions)
+                res = scaled_dot_product_attention(q[b], k[b], v[b], mask=keep[b], return_weights=output_attentions, implementation="direct")
                 if output_attentions:
                     ctx[b], weights[b] = res
                 else:

@@ -413,7 +413,7 @@ def _estimate(batch, Hq, Hk, L, S, D, Dv, itemsize, implementation, *, masked, d
     from .flash import BLOCK_K, BLOCK_Q
 
     G = Hq // Hk
-    rows = G * min(BLOCK_Q, L)
+    rows = G * min(max(1, BLOCK_Q // G), L)
     cols = min(BLOCK_K, S)
     kv = n_batch * Hk * S * (D + 1 + Dv + 1) * itemsize  # keys and values with a column of ones
     per_worker = (rows * cols * (itemsize + (1 if masked else 0) + (24 if dropout else 0)) + rows * (D + 1 + 2 * (Dv + 1)) * itemsize + rows * 32)

@@ -50,8 +50,8 @@ from ._parallel import default_workers, run_all
 
 __all__ = ["tiled_attention", "BLOCK_Q", "BLOCK_K", "TAU"]
 
-BLOCK_Q = 256  #: query rows per work item (times the query heads per key/value head)
-BLOCK_K = 512  #: keys per step
+BLOCK_Q = 384  #: score rows per work item: query rows times the query heads sharing a key/value head
+BLOCK_K = 768  #: keys per step (a 384 x 768 float32 block is about one core's L2 cache)
 TAU = 8.0  #: how far above the running shift a score may go before the shift moves
 
 _local = threading.local()
@@ -112,10 +112,10 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     from .attention import dropout_keep
 
     workers = default_workers() if workers is None else workers
-    bq, bk = block_q or BLOCK_Q, block_k or BLOCK_K
     q, k, v = p.q, p.k, p.v  # (..., Hk, G, L, D), (..., Hk, 1, S, D), (..., Hk, 1, S, Dv)
     dt = q.dtype
     *_, Hk, G, L, D = q.shape
+    bq, bk = max(1, (block_q or BLOCK_Q) // G), block_k or BLOCK_K
     S, Dv = k.shape[-2], v.shape[-1]
     batch = p.scores_shape[:-3]
     Hq = Hk * G
@@ -143,7 +143,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
         x = x.reshape((1,) * (nd - x.ndim) + x.shape)
         lead = x.shape[: len(batch)]
         xb = x[_batch_index(bidx, lead) + (0 if x.shape[len(batch)] == 1 else hk,)]  # (G or 1, L or 1, S or 1)
-        xb = xb[:, i0:i1 if xb.shape[1] > 1 else 1, j0:j1 if xb.shape[2] > 1 else 1]
+        xb = xb[:, slice(i0, i1) if xb.shape[1] > 1 else slice(None), slice(j0, j1) if xb.shape[2] > 1 else slice(None)]
         return np.broadcast_to(xb, (G, i1 - i0, j1 - j0))
 
     def work(bidx, hk, i0):

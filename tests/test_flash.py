@@ -1,0 +1,169 @@
+"""The tiled path (qkv.flash) against the direct path and PyTorch; merge_attention; memory estimates."""
+
+import tracemalloc
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qkv.flash as flash
+from qkv import masks, memory_estimate, merge_attention, scaled_dot_product_attention as sdpa
+from qkv.attention import _prepare, choose_implementation
+
+
+@pytest.fixture(params=[(384, 768), (7, 5)], ids=["default-blocks", "tiny-blocks"])
+def blocks(request, monkeypatch):
+    """Run each test with the default blocks and with tiny ones (many blocks, many rescales)."""
+    monkeypatch.setattr(flash, "BLOCK_Q", request.param[0])
+    monkeypatch.setattr(flash, "BLOCK_K", request.param[1])
+    return request.param
+
+
+def close(a, b, dtype):
+    # float32: 1e-6 relative to the output's scale; float64: 1e-12
+    tol = 1e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max(initial=0))))
+
+
+@st.composite
+def problems(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    B, Hk = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    Hq = Hk * draw(st.integers(1, 3))
+    L, S = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    D, Dv = draw(st.integers(1, 8)), draw(st.integers(1, 6))
+    spread = draw(st.sampled_from([0.1, 1.0, 10.0, 60.0]))  # large spreads force rescaling
+    q = (rng.standard_normal((B, Hq, L, D)) * spread).astype(dtype)
+    k, v = rng.standard_normal((B, Hk, S, D)).astype(dtype), rng.standard_normal((B, Hk, S, Dv)).astype(dtype)
+    kw = {}
+    if draw(st.booleans()):
+        kw["mask"] = rng.random(draw(st.sampled_from([(L, S), (B, 1, L, S), (B, Hq, L, S), (S,)]))) < draw(st.sampled_from([0.05, 0.5, 0.95]))
+    if draw(st.booleans()):
+        kw["bias"] = rng.standard_normal(draw(st.sampled_from([(L, S), (Hq, L, S), (B, 1, 1, S)]))).astype(dtype)
+    choice = draw(st.sampled_from(["none", "causal", "window", "both"]))
+    if choice in ("causal", "both"):
+        kw["is_causal"] = True
+    if choice in ("window", "both"):
+        kw["window"] = (draw(st.sampled_from([None, 0, 3, 10])), draw(st.sampled_from([None, 0, 2])))
+    return rng, dtype, q, k, v, kw
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the block sizes stay fixed per test: fine
+@given(problems())
+def test_tiled_equals_direct(blocks, problem):
+    _, dtype, q, k, v, kw = problem
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a, la = sdpa(q, k, v, implementation="direct", return_lse=True, **kw)
+        b, lb = sdpa(q, k, v, implementation="tiled", return_lse=True, workers=2, **kw)
+    assert b.dtype == a.dtype == dtype and b.shape == a.shape
+    close(b, a, dtype)
+    assert np.array_equal(np.isfinite(la), np.isfinite(lb))
+    fin = np.isfinite(la)
+    close(lb[fin], la[fin], dtype)
+    np.testing.assert_array_equal(b[~np.isfinite(lb)], 0)  # nothing to attend to: zeros
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_matches_torch(torch, blocks, causal):
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 4, 300, 32)).astype(np.float32) for _ in range(3))
+    got = sdpa(q, k, v, is_causal=causal, implementation="tiled")
+    want = torch.nn.functional.scaled_dot_product_attention(*(torch.from_numpy(a) for a in (q, k, v)), is_causal=causal).numpy()
+    close(got, want, np.float32)
+
+
+def test_lse_matches_torch_logsumexp(torch):
+    rng = np.random.default_rng(2)
+    q, k, v = rng.standard_normal((3, 20, 8)), rng.standard_normal((3, 50, 8)), rng.standard_normal((3, 50, 4))
+    m = rng.random((20, 50)) < 0.7
+    want = torch.logsumexp(torch.from_numpy(np.where(m, q @ k.transpose(0, 2, 1) / np.sqrt(8), -np.inf)), dim=-1).numpy()
+    for impl in ("direct", "tiled"):
+        _, lse = sdpa(q, k, v, mask=m, return_lse=True, implementation=impl)
+        np.testing.assert_allclose(lse, want, rtol=1e-12)
+
+
+def test_tiled_dropout_drops_the_same_weights_as_direct(blocks):
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((2, 33, 8)), rng.standard_normal((1, 45, 8)), rng.standard_normal((1, 45, 5))
+    a = sdpa(q, k, v, dropout_p=0.4, rng=7, implementation="direct", is_causal=True)
+    b = sdpa(q, k, v, dropout_p=0.4, rng=np.random.default_rng(7), implementation="tiled", is_causal=True)
+    np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(a, sdpa(q, k, v, is_causal=True))
+
+
+def test_fully_masked_rows_and_empty_keys_give_zeros():
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((6, 4)), rng.standard_normal((3, 4)), rng.standard_normal((3, 2))
+    out, lse = sdpa(q, k, v, is_causal=True, implementation="tiled", return_lse=True)  # L > S: first 3 rows see nothing
+    np.testing.assert_array_equal(out[:3], 0)
+    assert np.all(lse[:3] == -np.inf) and np.all(np.isfinite(lse[3:]))
+    out = sdpa(q, k[:0], v[:0], implementation="tiled")
+    assert out.shape == (6, 2) and np.all(out == 0)
+
+
+def test_window_blocks_are_skipped_or_unmasked():
+    # causal, 8 rows x 8 keys per block: below the diagonal no mask, above it nothing to do
+    assert flash._visible_range(8, 16, 0, (None, 0), 64) == (0, 16)
+    assert flash._block_keep(8, 16, 0, 8, 0, (None, 0)) is None  # entirely visible: no mask
+    keep = flash._block_keep(8, 16, 8, 16, 0, (None, 0))
+    np.testing.assert_array_equal(keep, masks.causal(8))
+    assert flash._visible_range(32, 40, 0, (4, 0), 64) == (28, 40)  # sliding window: only nearby keys
+
+
+def test_merge_attention_over_key_splits_equals_full_attention():
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((2, 3, 7, 8)), rng.standard_normal((2, 3, 30, 8)), rng.standard_normal((2, 3, 30, 4))
+    m = rng.random((7, 30)) < 0.5
+    m[:, :10] = False  # the first part is fully masked for every row
+    m[0] = False  # and row 0 sees nothing at all
+    full, full_lse = sdpa(q, k, v, mask=m, return_lse=True)
+    for cuts in ([10, 20], [5, 6, 29], [15]):
+        edges = [0, *cuts, 30]
+        parts = [sdpa(q, k[..., a:b, :], v[..., a:b, :], mask=m[:, a:b], return_lse=True, implementation=impl) for (a, b), impl in zip(zip(edges, edges[1:]), ["direct", "tiled", "direct", "tiled"])]
+        out, lse = merge_attention([o for o, _ in parts], [x for _, x in parts])
+        np.testing.assert_allclose(out, full, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(lse, full_lse, rtol=1e-12)
+        np.testing.assert_array_equal(out[..., 0, :], 0)
+
+
+def test_merge_attention_errors():
+    with pytest.raises(ValueError, match="outputs and lses should be non-empty and of equal length, got 1 and 0"):
+        merge_attention([np.ones((2, 3))], [])
+    with pytest.raises(ValueError, match=r"outputs\[1\] shape \(3, 3\) and lses\[1\] shape \(3,\)"):
+        merge_attention([np.ones((2, 3)), np.ones((3, 3))], [np.zeros(2), np.zeros(3)])
+
+
+def test_auto_choice_and_overrides():
+    small = _prepare(np.ones((8, 64, 16)), np.ones((8, 64, 16)), np.ones((8, 64, 16)), None, None, False, None)
+    big = _prepare(np.ones((8, 1024, 16), np.float32), np.ones((8, 1024, 16), np.float32), np.ones((8, 1024, 16), np.float32), None, None, False, None)
+    assert choose_implementation(small) == "direct"
+    assert choose_implementation(big) == "tiled"
+    assert choose_implementation(big, "auto", return_weights=True) == "direct"
+    with pytest.raises(ValueError, match="return_weights needs implementation='direct'"):
+        sdpa(np.ones((4, 2)), np.ones((4, 2)), np.ones((4, 2)), implementation="tiled", return_weights=True)
+    with pytest.raises(ValueError, match=r"implementation should be one of \('auto', 'direct', 'tiled'\), got 'fast'"):
+        sdpa(np.ones((4, 2)), np.ones((4, 2)), np.ones((4, 2)), implementation="fast")
+    with pytest.raises(TypeError, match="window should be a"):
+        sdpa(np.ones((4, 2)), np.ones((4, 2)), np.ones((4, 2)), window=3)
+
+
+def test_memory_estimates_match_what_numpy_allocates():
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 4, 1024, 32)).astype(np.float32) for _ in range(3))
+    for impl, kw in (("direct", {}), ("direct", {"is_causal": True}), ("tiled", {"is_causal": True})):
+        sdpa(q, k, v, implementation=impl, workers=2, **kw)  # warm the per-thread scratch buffers
+        tracemalloc.start()
+        out = sdpa(q, k, v, implementation=impl, workers=2, **kw)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        measured = peak - out.nbytes
+        est = memory_estimate(q.shape, k.shape, implementation=impl, masked=bool(kw), workers=2)
+        assert 0.5 * est <= measured <= 1.5 * est, (impl, kw, measured, est)
+    # the long case of the benchmark: 65,536 positions fit in well under 1 GiB on the tiled path
+    long = (1, 8, 65536, 64)
+    assert memory_estimate(long, long, implementation="tiled", masked=True, workers=2) < 2**30
+    assert memory_estimate(long, long, implementation="direct") == 8 * 65536**2 * 4 + 8 * 65536 * (64 * 4 + 16)

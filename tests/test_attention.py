@@ -310,3 +310,17 @@ def test_options_are_keyword_only():
     q, k, v = _qkv()
     with pytest.raises(TypeError):
         scaled_dot_product_attention(q, k, v, None)  # noqa
+
+
+def test_decoding_one_token_at_a_time_with_a_cache_equals_the_full_pass():
+    """Bottom-right causal alignment is what a KV cache needs: the new query is the last position."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 3, 9, 8))  # (B, H, L, D), self-attention: q = k = v = x
+    full = scaled_dot_product_attention(x, x, x, is_causal=True)
+    for t in range(9):
+        cache = x[..., : t + 1, :]  # keys and values seen so far, the new one last
+        step = scaled_dot_product_attention(x[..., t : t + 1, :], cache, cache, is_causal=True)
+        np.testing.assert_allclose(step[..., 0, :], full[..., t, :], rtol=1e-12, atol=1e-14)
+    # two new tokens at once after a cache of five: the same rows again
+    two = scaled_dot_product_attention(x[..., 5:7, :], x[..., :7, :], x[..., :7, :], is_causal=True)
+    np.testing.assert_allclose(two, full[..., 5:7, :], rtol=1e-12, atol=1e-14)

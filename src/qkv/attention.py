@@ -203,6 +203,14 @@ def dropout_keep(key, index: np.ndarray, dropout_p: float) -> np.ndarray:
     A counter-based draw (SplitMix64's mixing function), so that any block of
     the weights gets its pattern without drawing the others: the direct and
     the tiled path drop exactly the same weights.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.attention import dropout_keep
+    >>> keep = dropout_keep(np.uint64(7), np.arange(10_000), 0.2)
+    >>> round(float(keep.mean()), 2)
+    0.8
     """
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps around, as the hash intends
         z = index.astype(np.uint64) + np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)
@@ -470,6 +478,14 @@ def choose_implementation(p: _Problem, implementation: str = "auto", return_weig
 
     ``"auto"``: direct when the weights are asked for (only it has them) or
     the scores take at most :data:`AUTO_TILED_MIN_BYTES`; tiled otherwise.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.attention import _prepare, choose_implementation
+    >>> x = np.ones((8, 2048, 16), np.float32)  # (H, L, D): 128 MiB of scores
+    >>> choose_implementation(_prepare(x, x, x, None, None, False, None))
+    'tiled'
     """
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation should be one of {_IMPLEMENTATIONS}, got {implementation!r}")

@@ -211,6 +211,14 @@ class MultiHeadAttention:
         -------
         q, k, v : ndarray, shapes (..., L, H * D), (..., L, Hk * D), (..., L, Hk * D)
             Not yet split into heads.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from qkv import MultiHeadAttention
+        >>> mha = MultiHeadAttention(8, 4, num_kv_heads=2)
+        >>> [a.shape for a in mha.project_qkv(np.ones((3, 8), np.float32))]
+        [(3, 8), (3, 4), (3, 4)]
         """
         names = ("query", "key", "value")
         if not self._fused:
@@ -221,7 +229,15 @@ class MultiHeadAttention:
         return tuple(y[..., self._slot(i)] for i in range(3))
 
     def project_out(self, merged, *, out=None) -> np.ndarray:
-        """The output projection: ``(..., L, H * D) -> (..., L, E)`` (into ``out`` if given)."""
+        """The output projection: ``(..., L, H * D) -> (..., L, E)`` (into ``out`` if given).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from qkv import MultiHeadAttention
+        >>> MultiHeadAttention(8, 4).project_out(np.ones((3, 8), np.float32)).shape
+        (3, 8)
+        """
         return self._project(merged, self.w_out, self.b_out, out)
 
     # ------------------------------------------------------------------ forward
@@ -377,6 +393,12 @@ class MultiHeadAttention:
         """The parameters under ``torch.nn.MultiheadAttention``'s state-dict names and layouts.
 
         Wrap the arrays with ``torch.from_numpy`` to load them into PyTorch.
+
+        Examples
+        --------
+        >>> from qkv import MultiHeadAttention
+        >>> {k: v.shape for k, v in MultiHeadAttention(4, 2).torch_state_dict().items()}
+        {'in_proj_weight': (12, 4), 'in_proj_bias': (12,), 'out_proj.weight': (4, 4), 'out_proj.bias': (4,)}
         """
         if self.num_kv_heads != self.num_heads:
             raise ValueError(f"torch.nn.MultiheadAttention has no grouped-query attention; this layer has num_kv_heads={self.num_kv_heads}")
@@ -397,6 +419,14 @@ class MultiHeadAttention:
 
         Raises ``ValueError`` naming the key for a missing, unexpected or
         misshapen entry. Returns ``self``.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from qkv import MultiHeadAttention
+        >>> a, b = MultiHeadAttention(4, 2, rng=1), MultiHeadAttention(4, 2, rng=2)
+        >>> bool(np.array_equal(b.load_torch_state_dict(a.torch_state_dict()).w_key, a.w_key))
+        True
         """
         sd = {name: as_array(value, f"state_dict[{name!r}]") for name, value in dict(state_dict).items()}
         expected = self.torch_state_dict().keys()

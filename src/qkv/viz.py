@@ -37,7 +37,16 @@ _MASKED_COLOR = "#d9d9d9"
 
 
 def save(fig: Figure, path, *, dpi: int = 120) -> Path:
-    """Save ``fig`` to ``path`` (.png or .svg), creating the folder; returns the path."""
+    """Save ``fig`` to ``path`` (.png or .svg), creating the folder; returns the path.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> from matplotlib.figure import Figure
+    >>> from qkv import viz
+    >>> viz.save(Figure(), pathlib.Path(tempfile.mkdtemp()) / "sub" / "empty.png").name
+    'empty.png'
+    """
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg"):
         raise ValueError(f"path should end in .png or .svg, got {str(path)!r}")
@@ -99,6 +108,15 @@ def plot_attention(
     Returns
     -------
     matplotlib.figure.Figure
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import masks, viz
+    >>> w = np.tril(np.full((2, 3, 3), 0.5))  # (H, L, S)
+    >>> fig = viz.plot_attention(w, ["a", "b", "c"], mask=masks.causal(3))
+    >>> [ax.get_title() for ax in fig.axes[:2]]
+    ['head 0', 'head 1']
     """
     w = as_array(weights, "weights")
     if w.ndim == 2:
@@ -157,6 +175,12 @@ def plot_position_encoding(table, *, title: str = "Sinusoidal position encoding"
     Returns
     -------
     matplotlib.figure.Figure
+
+    Examples
+    --------
+    >>> from qkv import sinusoidal_position_encoding, viz
+    >>> viz.plot_position_encoding(sinusoidal_position_encoding(16, 8)).axes[0].get_ylabel()
+    'position in the sequence'
     """
     pe = as_array(table, "table")
     if pe.ndim != 2:
@@ -225,6 +249,14 @@ def plot_embedding_shift(
     Returns
     -------
     matplotlib.figure.Figure
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import viz
+    >>> x = np.random.default_rng(0).standard_normal((3, 4))
+    >>> viz.plot_embedding_shift(x, x + 1, ["a", "b", "c"]).axes[0].get_xlabel()
+    'principal component 1'
     """
     o, c = as_array(original, "original"), as_array(contextual, "contextual")
     if o.shape != c.shape or o.ndim != 2:
@@ -265,6 +297,13 @@ def plot_score_variance(stats: dict, *, title: str = "Why scale the scores by 1/
     Returns
     -------
     matplotlib.figure.Figure
+
+    Examples
+    --------
+    >>> from qkv import viz
+    >>> from qkv.scaling import score_statistics
+    >>> len(viz.plot_score_variance(score_statistics([2, 8], samples=50, rng=0)).axes)
+    2
     """
     d = np.asarray(stats["dim"])
     fig = Figure(figsize=(11, 4.2), layout="constrained")

@@ -166,6 +166,13 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, 
     Returns
     -------
     ndarray, shape (..., E)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.models.functional import layer_norm
+    >>> layer_norm(np.array([[1.0, 2.0, 3.0]]), np.ones(3), np.zeros(3), 1e-12).round(4)
+    array([[-1.2247,  0.    ,  1.2247]])
     """
     mean = x.mean(-1, keepdims=True)
     y = np.subtract(x, mean, out=out)

@@ -1,11 +1,16 @@
 """Shared test helpers. PyTorch is the oracle: imported here, never by qkv."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("qkv", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("qkv")
+# CI: the same examples on every run, so that main stays green for a known reason; locally each
+# run explores new ones (pass --hypothesis-seed to replay one).
+settings.register_profile("ci", parent=settings.get_profile("qkv"), derandomize=True)
+settings.load_profile("ci" if os.environ.get("CI") else "qkv")
 
 # Tolerances from the issue: float64 to 1e-10 absolute-ish, float32 to 1e-5 relative.
 TOL = {np.float64: dict(rtol=1e-10, atol=1e-10), np.float32: dict(rtol=1e-5, atol=1e-6)}

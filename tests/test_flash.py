@@ -21,10 +21,23 @@ def blocks(request, monkeypatch):
     return request.param
 
 
-def close(a, b, dtype):
-    # float32: 1e-6 relative to the output's scale; float64: 1e-12
-    tol = 1e-6 if dtype == np.float32 else 1e-12
+def close(a, b, dtype, score_scale=1.0):
+    """float32: 1e-6 relative to the output's scale; float64: 1e-12.
+
+    Scores are rounded to about eps * |score| before the exp, so two exact
+    methods can differ by that much: the tolerance grows with the largest
+    score beyond 10 (the hypothesis problems reach scores of several hundred).
+    """
+    tol = (1e-6 if dtype == np.float32 else 1e-12) * max(1.0, score_scale / 10)
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max(initial=0))))
+
+
+def max_score(q, k, bias=None):
+    G = q.shape[-3] // k.shape[-3]
+    s = q.astype(np.float64) @ np.swapaxes(np.repeat(k, G, axis=-3), -1, -2).astype(np.float64) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias
+    return float(np.abs(s).max(initial=0))
 
 
 @st.composite
@@ -60,10 +73,11 @@ def test_tiled_equals_direct(blocks, problem):
         a, la = sdpa(q, k, v, implementation="direct", return_lse=True, **kw)
         b, lb = sdpa(q, k, v, implementation="tiled", return_lse=True, workers=2, **kw)
     assert b.dtype == a.dtype == dtype and b.shape == a.shape
-    close(b, a, dtype)
+    smax = max_score(q, k, kw.get("bias"))
+    close(b, a, dtype, smax)
     assert np.array_equal(np.isfinite(la), np.isfinite(lb))
     fin = np.isfinite(la)
-    close(lb[fin], la[fin], dtype)
+    close(lb[fin], la[fin], dtype, smax)
     np.testing.assert_array_equal(b[~np.isfinite(lb)], 0)  # nothing to attend to: zeros
 
 
@@ -155,15 +169,40 @@ def test_memory_estimates_match_what_numpy_allocates():
     rng = np.random.default_rng(6)
     q, k, v = (rng.standard_normal((1, 4, 1024, 32)).astype(np.float32) for _ in range(3))
     for impl, kw in (("direct", {}), ("direct", {"is_causal": True}), ("tiled", {"is_causal": True})):
-        sdpa(q, k, v, implementation=impl, workers=2, **kw)  # warm the per-thread scratch buffers
+        sdpa(q, k, v, implementation=impl, workers=2, **kw)  # warm-up
         tracemalloc.start()
         out = sdpa(q, k, v, implementation=impl, workers=2, **kw)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         measured = peak - out.nbytes
         est = memory_estimate(q.shape, k.shape, implementation=impl, masked=bool(kw), workers=2)
-        assert 0.5 * est <= measured <= 1.5 * est, (impl, kw, measured, est)
+        if impl == "direct":
+            assert 0.5 * est <= measured <= 1.5 * est, (impl, kw, measured, est)
+        else:
+            # The estimate includes each worker's block buffers, which a warm worker thread reuses,
+            # so a warm call measures between the copies of keys and values and the estimate.
+            kv_copies = 4 * 1024 * (32 + 1 + 32 + 1) * 4
+            assert kv_copies <= measured <= 1.25 * est, (impl, kw, measured, est)
     # the long case of the benchmark: 65,536 positions fit in well under 1 GiB on the tiled path
     long = (1, 8, 65536, 64)
     assert memory_estimate(long, long, implementation="tiled", masked=True, workers=2) < 2**30
     assert memory_estimate(long, long, implementation="direct") == 8 * 65536**2 * 4 + 8 * 65536 * (64 * 4 + 16)
+
+
+def test_concurrent_calls_from_user_threads_restore_blas_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from threadpoolctl import threadpool_info
+
+    def blas_threads():
+        return sorted(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
+
+    before = blas_threads()
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, 200, 16)).astype(np.float32) for _ in range(3))
+    want = sdpa(q, k, v, implementation="direct", is_causal=True)
+    with ThreadPoolExecutor(4) as user_pool:
+        outs = list(user_pool.map(lambda _: sdpa(q, k, v, implementation="tiled", is_causal=True, workers=2), range(8)))
+    for out in outs:
+        close(out, want, np.float32)
+    assert blas_threads() == before

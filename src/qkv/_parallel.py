@@ -9,6 +9,7 @@ Without threadpoolctl, work runs serially with BLAS's own threads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,16 +30,38 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def _blas_pinned():
+_pinned = 0  # how many run_all calls are inside the pinned section right now
+_restore = None  # threadpoolctl's limiter of the first of them: restores BLAS when the last one leaves
+
+
+def _have_threadpoolctl() -> bool:
     global _controller
     try:
         import threadpoolctl
     except ImportError:
-        return None
+        return False
     with _lock:
         if _controller is None:
             _controller = threadpoolctl.ThreadpoolController()
-    return _controller.limit(limits=1, user_api="blas")
+    return True
+
+
+@contextlib.contextmanager
+def _blas_pinned():
+    """BLAS at one thread while any run_all is running (calls from several user threads may overlap)."""
+    global _pinned, _restore
+    with _lock:
+        if _pinned == 0:
+            _restore = _controller.limit(limits=1, user_api="blas")
+        _pinned += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _pinned -= 1
+            if _pinned == 0:
+                _restore.restore_original_limits()
+                _restore = None
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -55,10 +78,9 @@ def run_all(tasks: Sequence[Callable[[], object]], workers: int | None = None) -
     # same pool from one of its own threads could deadlock it.
     if workers <= 1 or len(tasks) <= 1 or threading.current_thread().name.startswith("qkv"):
         return [t() for t in tasks]
-    pin = _blas_pinned()
-    if pin is None:  # no threadpoolctl: nested BLAS threads would oversubscribe; stay serial
+    if not _have_threadpoolctl():  # nested BLAS threads would oversubscribe: stay serial
         return [t() for t in tasks]
-    with pin:
+    with _blas_pinned():
         return list(_pool(min(workers, len(tasks))).map(lambda t: t(), tasks))
 
 

@@ -201,15 +201,13 @@ def _demo_model(args) -> int:
 
 
 def cmd_embed(args) -> int:
+    if args.output and Path(args.output).suffix != ".npy":
+        raise CLIError(f"--output should end in .npy, got {args.output!r}")
     enc = _load(args.model)
-    if not args.texts:
-        raise CLIError("give at least one TEXT")
     vectors = enc.encode(args.texts)  # (N, E)
     sim = _cosine(vectors)
     if args.output:
         path = Path(args.output)
-        if path.suffix != ".npy":
-            raise CLIError(f"--output should end in .npy, got {str(path)!r}")
         try:
             np.save(path, vectors)
         except OSError as exc:

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-__all__ = ["default_workers", "run_all", "map_rows"]
+__all__ = ["default_workers", "run_all"]
 
 _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -82,16 +82,3 @@ def run_all(tasks: Sequence[Callable[[], object]], workers: int | None = None) -
         return [t() for t in tasks]
     with _blas_pinned():
         return list(_pool(min(workers, len(tasks))).map(lambda t: t(), tasks))
-
-
-def map_rows(fn: Callable, x, out, *, block: int, workers: int | None = None) -> None:
-    """``out[i:j] = fn(x[i:j])`` for row blocks of ``block`` rows, spread over the workers."""
-    n = x.shape[0]
-
-    def task(i):
-        def run():
-            out[i : i + block] = fn(x[i : i + block])
-
-        return run
-
-    run_all([task(i) for i in range(0, n, block)], workers)

@@ -26,7 +26,7 @@ from .._parallel import default_workers, run_all
 from ..attention import scaled_dot_product_attention
 from ..heads import merge_heads, split_heads
 from ..layers import MultiHeadAttention
-from .functional import ACTIVATIONS, ACTIVATIONS_INPLACE, layer_norm
+from .functional import ACTIVATIONS, layer_norm
 
 __all__ = ["BertConfig", "BertModel", "BertOutput", "ModelError"]
 
@@ -246,7 +246,7 @@ class BertModel:
         h = layer_norm(h, *self.ln_emb, eps)
         # Padding queries and padding keys are both masked: padding rows come out zero.
         keep = real[:, None, None, :] & real[:, None, :, None]  # (B, 1, L, L)
-        act = ACTIVATIONS_INPLACE[cfg.hidden_act]
+        act = ACTIVATIONS[cfg.hidden_act]
         rows = [slice(i, i + self.block_rows) for i in range(0, T, self.block_rows)]  # token blocks
         batches = [slice(i, i + -(-B // workers)) for i in range(0, B, -(-B // workers))]  # sequence blocks
 

@@ -106,10 +106,9 @@ def _relu_(x: np.ndarray, work: list) -> np.ndarray:
     return np.maximum(x, 0, out=x)
 
 
-#: In-place activations by their Hugging Face config names: ``f(x, work) -> x``,
-#: ``work`` a list of three scratch arrays shaped like ``x``.
-ACTIVATIONS_INPLACE = {"gelu": _gelu_erf_, "gelu_new": _gelu_tanh_, "gelu_pytorch_tanh": _gelu_tanh_, "gelu_fast": _gelu_tanh_, "relu": _relu_}
-ACTIVATIONS = ACTIVATIONS_INPLACE  # the names qkv supports
+#: The activations qkv supports, by their Hugging Face config names, as in-place
+#: functions ``f(x, work) -> x`` with ``work`` a list of three scratch arrays shaped like ``x``.
+ACTIVATIONS = {"gelu": _gelu_erf_, "gelu_new": _gelu_tanh_, "gelu_pytorch_tanh": _gelu_tanh_, "gelu_fast": _gelu_tanh_, "relu": _relu_}
 
 
 def _allocating(fn):

@@ -107,6 +107,7 @@ def test_tiled_dropout_drops_the_same_weights_as_direct(blocks):
     b = sdpa(q, k, v, dropout_p=0.4, rng=np.random.default_rng(7), implementation="tiled", is_causal=True)
     np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
     assert not np.allclose(a, sdpa(q, k, v, is_causal=True))
+    np.testing.assert_array_equal(sdpa(q, k, v, dropout_p=1.0, rng=0, implementation="tiled"), 0)
 
 
 def test_fully_masked_rows_and_empty_keys_give_zeros():

@@ -124,6 +124,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     out = np.zeros((*batch, Hk, G, L, Dv), dt)
     lse = np.full((*batch, Hk, G, L), -np.inf, dt)
     scale = dt.type(p.scale)
+    keep_scale = dt.type(0 if dropout_p >= 1 else 1 / (1 - dropout_p))  # inverted dropout
 
     # Keys and values of each (batch, kv head), with the column of ones (see the module docstring).
     kv_batch = np.broadcast_shapes(k.shape[:-4], v.shape[:-4])
@@ -195,7 +196,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                 b_flat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
                 heads = (b_flat * Hq + hk * G + np.arange(G, dtype=np.uint64))[:, None, None]
                 index = (heads * L + np.arange(i0, i1, dtype=np.uint64)[None, :, None]) * S + np.arange(j0, j1, dtype=np.uint64)
-                s3 *= np.where(dropout_keep(dropout_key, index, dropout_p), dt.type(1 / (1 - dropout_p)), dt.type(0))
+                s3 *= np.where(dropout_keep(dropout_key, index, dropout_p), keep_scale, dt.type(0))
                 np.matmul(s, vx[j0:j1], out=tmp)
                 tmp[:, Dv] = l_blk
             else:

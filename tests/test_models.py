@@ -38,8 +38,8 @@ SENTENCES = [
     "Das ist ein deutscher Satz mit Umlauten: äöü ß.",
     "    leading and trailing whitespace    ",
     "UPPER lower MiXeD",
-    " ".join(["attention"] * 60) + " is all you need, and a little more than that, said the long sentence.",
-    " ".join(f"word{i}" for i in range(150)),
+    " ".join(["attention"] * 120) + " is all you need, and a little more than that, said the long sentence.",
+    " ".join(f"word{i}" for i in range(60)),
     " ".join(["token"] * 300),  # past the 256-token limit
 ]
 

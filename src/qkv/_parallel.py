@@ -10,14 +10,18 @@ Without threadpoolctl, work runs serially with BLAS's own threads.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-__all__ = ["default_workers", "run_all"]
+import numpy as np
+
+__all__ = ["default_workers", "run_all", "scratch"]
 
 _lock = threading.Lock()
+_local = threading.local()
 _pools: dict[int, ThreadPoolExecutor] = {}
 _controller = None  # threadpoolctl.ThreadpoolController, made once (it scans the loaded libraries)
 
@@ -82,3 +86,19 @@ def run_all(tasks: Sequence[Callable[[], object]], workers: int | None = None) -
         return [t() for t in tasks]
     with _blas_pinned():
         return list(_pool(min(workers, len(tasks))).map(lambda t: t(), tasks))
+
+
+def scratch(name: str, shape: tuple, dtype) -> np.ndarray:
+    """This thread's buffer ``name``, reused across calls and grown when too small.
+
+    Hot loops that run on the pool write their temporaries here: a fresh large
+    temporary costs page faults on every call (several times the arithmetic).
+    """
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get(name)
+    n = math.prod(shape)
+    if buf is None or buf.dtype != dtype or buf.size < n:
+        buf = bufs[name] = np.empty(n, dtype)
+    return buf[:n].reshape(shape)

@@ -22,7 +22,7 @@ of O(L S). Blocks that a causal or sliding window hides entirely are
 skipped (about half the work for causal attention); blocks it shows
 entirely need no mask at all.
 
-Three tricks keep NumPy's passes over each block to two (max and exp)
+These tricks keep NumPy's passes over each block to two (max and exp)
 besides the two matrix products:
 
 - the scale is applied to the queries once, not to every score;
@@ -41,33 +41,15 @@ block.
 
 from __future__ import annotations
 
-import math
-import threading
-
 import numpy as np
 
-from ._parallel import default_workers, run_all
+from ._parallel import default_workers, run_all, scratch
 
 __all__ = ["tiled_attention", "BLOCK_Q", "BLOCK_K", "TAU"]
 
 BLOCK_Q = 384  #: score rows per work item: query rows times the query heads sharing a key/value head
 BLOCK_K = 768  #: keys per step (a 384 x 768 float32 block is about one core's L2 cache)
 TAU = 8.0  #: how far above the running shift a score may go before the shift moves
-
-_local = threading.local()
-
-
-def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
-    """A per-thread buffer, reused across calls (fresh large temporaries cost page faults)."""
-    bufs = getattr(_local, "bufs", None)
-    if bufs is None:
-        bufs = _local.bufs = {}
-    buf = bufs.get(name)
-    n = math.prod(shape)
-    if buf is None or buf.dtype != dtype or buf.size < n:
-        buf = bufs[name] = np.empty(n, dtype)
-    return buf[:n].reshape(shape)
-
 
 def _batch_index(idx: tuple, shape: tuple) -> tuple:
     """``idx`` into the broadcast batch shape -> the index into an array whose batch dims are ``shape``."""
@@ -155,13 +137,13 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
         qb = q[_batch_index(bidx, q.shape[:-4]) + (hk, slice(None), slice(i0, i1))]  # (G, n, D)
         kx = k_ext[_batch_index(bidx, kv_batch) + (hk,)]  # (S, D + 1)
         vx = v_ext[_batch_index(bidx, kv_batch) + (hk,)]  # (S, Dv + 1)
-        qx = _scratch("qx", (rows, D + 1), dt)
+        qx = scratch("qx", (rows, D + 1), dt)
         np.multiply(qb.reshape(rows, D), scale, out=qx[:, :D])
         qx[:, D] = 0
         m = np.full(rows, -np.inf, dt)  # the shift applied so far (-inf: none yet)
-        acc = _scratch("acc", (rows, Dv + 1), dt)
+        acc = scratch("acc", (rows, Dv + 1), dt)
         acc[:] = 0
-        tmp = _scratch("tmp", (rows, Dv + 1), dt)
+        tmp = scratch("tmp", (rows, Dv + 1), dt)
         for j0 in range(lo, hi, bk):
             j1 = min(j0 + bk, hi)
             keep = None if window is None else _block_keep(i0, i1, j0, j1, offset, window)
@@ -172,7 +154,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                     keep = None
                 elif not keep.any():
                     continue
-            s = _scratch("s", (rows, j1 - j0), dt)
+            s = scratch("s", (rows, j1 - j0), dt)
             np.matmul(qx, kx[j0:j1].T, out=s)  # scores * scale - m
             s3 = s.reshape(G, n, j1 - j0)
             if bias is not None:

@@ -16,13 +16,12 @@ and cannot change a real token's result. Attention runs on the padded
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
-from .._parallel import default_workers, run_all
+from .._parallel import default_workers, run_all, scratch
 from ..attention import scaled_dot_product_attention
 from ..heads import merge_heads, split_heads
 from ..layers import MultiHeadAttention
@@ -98,24 +97,6 @@ class BertOutput:
     last_hidden_state: np.ndarray
     hidden_states: tuple | None = None
     attentions: tuple | None = None
-
-
-_local = threading.local()
-
-
-def _workspace(rows: int, E: int, F: int) -> dict:
-    """This thread's scratch buffers for one token block, made once and reused."""
-    key = (rows, E, F)
-    ws = getattr(_local, "ws", None)
-    if ws is None or ws["key"] != key:
-        ws = _local.ws = {
-            "key": key,
-            "x": np.empty((rows, E), np.float32),
-            "f": np.empty((rows, E), np.float32),
-            "u": np.empty((rows, F), np.float32),
-            "work": [np.empty((rows, F), np.float32) for _ in range(3)],
-        }
-    return ws
 
 
 class _Layer:
@@ -287,14 +268,14 @@ class BertModel:
 
             def mlp(r, layer=layer, mha=mha, merged=merged, h=h, new_h=new_h):
                 n = len(range(*r.indices(T)))
-                ws = _workspace(self.block_rows, E, F)
-                x, f, u = ws["x"][:n], ws["f"][:n], ws["u"][:n]
+                x, f = scratch("bert.x", (n, E), np.float32), scratch("bert.f", (n, E), np.float32)
+                u = scratch("bert.u", (n, F), np.float32)
                 mha.project_out(merged[r], out=x)
                 x += h[r]
                 layer_norm(x, *layer.ln1, eps, out=x)  # (rows, E)
                 np.matmul(x, layer.w1, out=u)
                 u += layer.b1
-                act(u, [w[:n] for w in ws["work"]])  # (rows, F)
+                act(u, [scratch(f"bert.work{i}", (n, F), np.float32) for i in range(3)])  # (rows, F)
                 np.matmul(u, layer.w2, out=f)
                 f += layer.b2
                 f += x

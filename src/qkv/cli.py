@@ -148,8 +148,12 @@ def _load(model_arg):
         raise CLIError(f"{exc}") from None
 
 
+def _unit(a: np.ndarray) -> np.ndarray:
+    return a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
+
+
 def _cosine(a: np.ndarray) -> np.ndarray:
-    a = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
+    a = _unit(a)
     return a @ a.T
 
 
@@ -180,9 +184,8 @@ def _demo_model(args) -> int:
     files = []
     if plots is not None:
         # Directions, not lengths, carry meaning here (the two sets differ in scale): unit vectors before PCA.
-        unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
         title = f"{enc.name}: static word vectors (blue) -> contextual, last layer (red); unit vectors, PCA"
-        files.append(str(plots.save(plots.plot_embedding_shift(unit(static), unit(contextual), labels, title=title), out_dir / "embeddings_pca_model.png")))
+        files.append(str(plots.save(plots.plot_embedding_shift(_unit(static), _unit(contextual), labels, title=title), out_dir / "embeddings_pca_model.png")))
     result = {"texts": texts, "model": str(enc.path), "tokens": res.tokens, "repeated_words": pairs, "files": files}
     if args.format == "json":
         print(json.dumps(result))

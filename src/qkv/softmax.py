@@ -132,10 +132,5 @@ def logsumexp(x, axis: int = -1, *, where=None, keepdims: bool = False) -> np.nd
     array(-inf)
     """
     x, where = _prepare(x, axis, where)
-    z = _mask_(x.copy(), where)
-    m = _row_max(z, axis)
-    z -= m
-    s = np.sum(np.exp(z, out=z), axis=axis, keepdims=True)
-    with np.errstate(divide="ignore"):  # log(0) = -inf is the right answer for an empty row
-        out = np.log(s) + m
-    return out if keepdims else np.squeeze(out, axis=axis)
+    _, out = softmax_(x.copy(), axis, where, want_lse=True)
+    return np.expand_dims(out, axis) if keepdims else out

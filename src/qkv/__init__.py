@@ -27,10 +27,12 @@ go in ``bias=``. The functional core puts heads before the sequence,
 """
 
 from . import masks
+from .cache import KVCache
 from .attention import attention_weights, memory_estimate, merge_attention, scaled_dot_product_attention
 from .heads import merge_heads, split_heads
 from .layers import AttentionTrace, MultiHeadAttention
 from .positional import sinusoidal_position_encoding
+from .rope import apply_rope
 from .softmax import logsumexp, softmax
 from .text import Embedding, Vocabulary, tokenize
 
@@ -39,8 +41,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionTrace",
     "Embedding",
+    "KVCache",
     "MultiHeadAttention",
     "Vocabulary",
+    "apply_rope",
     "attention_weights",
     "logsumexp",
     "masks",

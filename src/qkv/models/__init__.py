@@ -6,7 +6,25 @@
 (2, 384)
 """
 
-from .bert import BertConfig, BertModel, BertOutput, ModelError
+from .bert import BertConfig, BertModel, BertOutput
+from .causal_lm import default_causal_lm_path, load_causal_lm
+from .decoder import CausalLM, CausalLMOutput, DecoderConfig, GenerateOutput
 from .encoder import EncoderOutput, SentenceEncoder, default_model_dir, load_model
+from .errors import ModelError
 
-__all__ = ["BertConfig", "BertModel", "BertOutput", "EncoderOutput", "ModelError", "SentenceEncoder", "default_model_dir", "load_model"]
+__all__ = [
+    "BertConfig",
+    "BertModel",
+    "BertOutput",
+    "CausalLM",
+    "CausalLMOutput",
+    "DecoderConfig",
+    "EncoderOutput",
+    "GenerateOutput",
+    "ModelError",
+    "SentenceEncoder",
+    "default_causal_lm_path",
+    "default_model_dir",
+    "load_causal_lm",
+    "load_model",
+]

@@ -25,13 +25,10 @@ from .._parallel import default_workers, run_all, scratch
 from ..attention import scaled_dot_product_attention
 from ..heads import merge_heads, split_heads
 from ..layers import MultiHeadAttention
+from .errors import ModelError
 from .functional import ACTIVATIONS, layer_norm
 
 __all__ = ["BertConfig", "BertModel", "BertOutput", "ModelError"]
-
-
-class ModelError(ValueError):
-    """A model directory that qkv cannot load; the message names the file and the entry."""
 
 
 @dataclass(frozen=True)

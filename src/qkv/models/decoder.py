@@ -1,0 +1,482 @@
+"""Decoder-only (causal) language models in NumPy, on qkv's attention.
+
+One block, one formula per line (pre-norm; Gemma adds the two ``post_*``
+norms, "sandwich" norms)::
+
+    a = norm(h)                                        # RMSNorm or LayerNorm
+    q, k, v = a @ Wq.T, a @ Wk.T, a @ Wv.T             # (+ biases: Qwen2, GPT-2)
+    q, k = norm(q), norm(k)                            # per head: Gemma 3, Qwen3
+    q, k = rope(q, pos), rope(k, pos)                  # Gemma, Llama, Qwen (GPT-2: learned positions)
+    k, v = cache.update(layer, k, v)                   # qkv.KVCache: the keys so far
+    o = sdpa(q, k, v, is_causal=True, window=...)      # qkv.scaled_dot_product_attention, GQA
+    h = h + post_norm(o @ Wo.T)
+    m = norm(h)
+    m = (act(m @ Wg.T) * (m @ Wu.T)) @ Wd.T            # gated MLP (GPT-2: act(m @ W1.T) @ W2.T)
+    h = h + post_norm(m)
+
+and at the end ``logits = norm(h) @ W_head.T``. What differs between
+families is data (:class:`DecoderConfig`) and tensor names (one small module
+per family: :mod:`.gemma3`, :mod:`.llama`, :mod:`.gpt2`); this module holds
+everything they share.
+
+Weights are kept as the checkpoints store them, ``(out, in)``, and used as
+``x @ W.T``: BLAS reads the transpose in place, so loading copies nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._checks import as_rng
+from ..attention import scaled_dot_product_attention
+from ..cache import KVCache
+from ..rope import apply_rope, rope_angles
+from .errors import ModelError
+from .functional import ACTIVATIONS, layer_norm, rms_norm
+
+__all__ = ["DecoderConfig", "DecoderLayer", "CausalLM", "CausalLMOutput", "GenerateOutput"]
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What a decoder-only model is, as data.
+
+    Attributes
+    ----------
+    family : str
+        ``"gemma3"``, ``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"gpt2"``, ...
+    vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size : int
+        V, E, layers, Hq, Hk, D, F.
+    norm : {"rms", "layer"}
+    norm_eps : float
+    activation : str
+        A key of :data:`qkv.models.functional.ACTIVATIONS`.
+    gated_mlp : bool
+        ``down(act(gate(x)) * up(x))`` (Gemma, Llama, Qwen) or ``down(act(up(x)))`` (GPT-2).
+    rope : bool
+        Rotary positions (``rope_bases`` per layer); otherwise learned positions.
+    rope_bases : tuple of float
+        One RoPE base per layer (Gemma 3: 10,000 on sliding layers, 1,000,000 on full ones).
+    windows : tuple of (int or None)
+        Per layer: the keys a query sees, itself included, or None (full causal attention).
+    max_positions : int or None
+        The longest sequence (learned positions have a table of this size).
+    query_scale : float
+        Multiplies the scores (``1 / sqrt(D)``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+    qk_norm : bool
+        RMSNorm of each query and key head before RoPE (Gemma 3, Qwen3).
+    sandwich_norm : bool
+        Norms after attention and after the MLP too (Gemma 2 and 3).
+    embed_scale : float
+        Multiplies the token embeddings (Gemma: ``sqrt(E)``).
+    tie_embeddings : bool
+        The LM head is the embedding table.
+    final_logit_softcap : float or None
+        ``logits = c * tanh(logits / c)`` when set.
+    bos_token_id, eos_token_ids : optional
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm: str = "rms"
+    norm_eps: float = 1e-6
+    activation: str = "silu"
+    gated_mlp: bool = True
+    rope: bool = True
+    rope_bases: tuple = ()
+    windows: tuple = ()
+    max_positions: int | None = None
+    query_scale: float = 0.0
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    embed_scale: float = 1.0
+    tie_embeddings: bool = True
+    final_logit_softcap: float | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ModelError(f"{self.family} config: {name} should be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(f"{self.family} config: num_heads {self.num_heads} should be a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.norm not in ("rms", "layer"):
+            raise ModelError(f"{self.family} config: norm should be 'rms' or 'layer', got {self.norm!r}")
+        if not (isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool) and math.isfinite(self.norm_eps) and self.norm_eps > 0):
+            raise ModelError(f"{self.family} config: the norm eps should be a positive number, got {self.norm_eps!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelError(f"{self.family} config: activation {self.activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        if len(self.windows) != self.num_layers:
+            raise ModelError(f"{self.family} config: windows should have one entry per layer ({self.num_layers}), got {len(self.windows)}")
+        if self.rope and len(self.rope_bases) != self.num_layers:
+            raise ModelError(f"{self.family} config: rope_bases should have one entry per layer ({self.num_layers}), got {len(self.rope_bases)}")
+        if self.rope and self.head_dim % 2:
+            raise ModelError(f"{self.family} config: head_dim should be even for RoPE, got {self.head_dim}")
+        if not self.rope and not self.max_positions:
+            raise ModelError(f"{self.family} config: learned positions need max_positions")
+        if not (math.isfinite(self.query_scale) and self.query_scale > 0):
+            raise ModelError(f"{self.family} config: query_scale should be a positive number, got {self.query_scale!r}")
+
+
+@dataclass
+class DecoderLayer:
+    """One block's weights, float32, ``(out, in)`` as checkpoints store them.
+
+    ``w_qkv`` is the query, key and value projections stacked on the output
+    axis, ``((Hq + 2 Hk) D, E)``: one matrix product instead of three. Same
+    for ``w_gate_up`` (``(2F, E)``) in gated MLPs (``w_up`` alone otherwise).
+    Norms are ``(weight, bias or None)``.
+    """
+
+    attn_norm: tuple
+    w_qkv: np.ndarray
+    b_qkv: np.ndarray | None
+    w_out: np.ndarray
+    b_out: np.ndarray | None
+    mlp_norm: tuple
+    w_up: np.ndarray  # (2F, E) gate and up stacked when gated, else (F, E)
+    b_up: np.ndarray | None
+    w_down: np.ndarray  # (E, F)
+    b_down: np.ndarray | None
+    q_norm: np.ndarray | None = None  # (D,)
+    k_norm: np.ndarray | None = None
+    post_attn_norm: tuple | None = None
+    post_mlp_norm: tuple | None = None
+
+
+@dataclass
+class CausalLMOutput:
+    """What :meth:`CausalLM.forward` returns.
+
+    Attributes
+    ----------
+    logits : ndarray, (B, L, V) (or (B, n, V) with ``logits_to_keep=n``)
+    attentions : tuple of ndarray (B, Hq, L, S), one per layer, or None
+        S counts the keys each layer attended over: with a cache, the cached
+        ones too (on a sliding layer only those still in its window).
+    hidden_states : tuple of ndarray (B, L, E), or None
+        The embeddings, then every block's output (the last before the final norm).
+    """
+
+    logits: np.ndarray
+    attentions: tuple | None = None
+    hidden_states: tuple | None = None
+
+
+@dataclass
+class GenerateOutput:
+    """What :meth:`CausalLM.generate` returns.
+
+    Attributes
+    ----------
+    text : str
+        The new text (the prompt excluded).
+    token_ids : list of int
+        The new tokens, the stopping EOS included when one was produced.
+    prompt_ids : list of int
+    stop_reason : {"eos", "length"}
+    timings : dict
+        ``prefill_s``, ``decode_s``, ``prompt_tokens``, ``new_tokens``,
+        ``decode_tokens_per_s`` (tokens after the first per second of decoding).
+    """
+
+    text: str
+    token_ids: list
+    prompt_ids: list
+    stop_reason: str
+    timings: dict = field(default_factory=dict)
+
+
+def _norm(cfg: DecoderConfig, x: np.ndarray, w: tuple) -> np.ndarray:
+    if cfg.norm == "rms":
+        return rms_norm(x, w[0], cfg.norm_eps)
+    return layer_norm(x, w[0], w[1], cfg.norm_eps)
+
+
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    y = x @ w.T  # w is (out, in)
+    if b is not None:
+        y += b
+    return y
+
+
+class CausalLM:
+    """A decoder-only language model: token ids in, next-token logits out.
+
+    Build one with :func:`qkv.models.load_causal_lm`.
+
+    Attributes
+    ----------
+    config : DecoderConfig
+    tokenizer : qkv.models.tokenizer.TextTokenizer
+    name : str
+    """
+
+    def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list, final_norm: tuple, *, lm_head: np.ndarray | None = None, positions: np.ndarray | None = None, tokenizer=None, name: str = "model"):
+        self.config = config
+        self.embed = embed  # (V, E)
+        self.positions = positions  # (max_positions, E) learned, or None
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = embed if lm_head is None else lm_head  # (V, E)
+        self.tokenizer = tokenizer
+        self.name = name
+        dt = np.float32
+        self._embed_scale = dt(config.embed_scale)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"CausalLM({self.name!r}, family={c.family!r}, layers={c.num_layers}, hidden={c.hidden_size}, "
+            f"heads={c.num_heads}/{c.num_kv_heads}x{c.head_dim}, vocab={c.vocab_size})"
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        arrays = [self.embed, *([] if self.lm_head is self.embed else [self.lm_head])]
+        arrays += [] if self.positions is None else [self.positions]
+        for layer in self.layers:
+            arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray)]
+            arrays += [a for v in vars(layer).values() if isinstance(v, tuple) for a in v if a is not None]
+        return int(sum(a.size for a in arrays) + sum(a.size for a in self.final_norm if a is not None))
+
+    def new_cache(self) -> KVCache:
+        """An empty :class:`qkv.KVCache` with this model's sliding windows."""
+        return KVCache(self.config.num_layers, windows=self.config.windows)
+
+    # ------------------------------------------------------------------ forward
+    def _ids(self, input_ids) -> tuple[np.ndarray, bool]:
+        if isinstance(input_ids, str):
+            raise TypeError("input_ids should be token ids, got a str: use lm.tokenizer.encode(text) or lm.generate(text)")
+        ids = np.asarray(input_ids)
+        if ids.dtype == object or (ids.size and ids.dtype.kind not in "iu"):
+            raise TypeError(f"input_ids should be integers, got dtype {ids.dtype}")
+        if ids.ndim not in (1, 2):
+            raise ValueError(f"input_ids should be (L,) or (B, L), got shape {ids.shape}")
+        if ids.shape[-1] == 0:
+            raise ValueError("input_ids is empty: give at least one token")
+        V = self.config.vocab_size
+        if ids.min() < 0 or ids.max() >= V:
+            bad = ids[(ids < 0) | (ids >= V)].ravel()[0]
+            raise ValueError(f"input_ids should lie in [0, {V - 1}], got {int(bad)}")
+        unbatched = ids.ndim == 1
+        return ids.astype(np.int64)[None] if unbatched else ids.astype(np.int64), unbatched
+
+    def forward(self, input_ids, cache: KVCache | None = None, *, output_attentions: bool = False, output_hidden_states: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
+        """Run the model over ``input_ids`` (after what ``cache`` holds).
+
+        Parameters
+        ----------
+        input_ids : array_like of int, shape (L,) or (B, L)
+        cache : qkv.KVCache, optional
+            From :meth:`new_cache`. The ids continue what it holds; it is
+            updated in place. Running ``ids[:n]`` then ``ids[n:]`` through
+            one cache gives the same logits as ``ids`` at once.
+        output_attentions : bool
+            Also return every layer's weights (the direct path: L x S per head).
+        output_hidden_states : bool
+        logits_to_keep : int
+            Only the last ``n`` positions' logits (0: all). Generation needs
+            only the last: it skips a (L, V) product.
+
+        Returns
+        -------
+        CausalLMOutput
+            Shapes with a leading B; for (L,) input, B = 1 is kept here
+            (:meth:`__call__` drops it).
+        """
+        ids, _ = self._ids(input_ids)
+        cfg = self.config
+        B, L = ids.shape
+        start = 0 if cache is None else len(cache)
+        if cache is not None and len(cache.layers) != cfg.num_layers:
+            raise ValueError(f"cache should have {cfg.num_layers} layers (use lm.new_cache()), got {len(cache.layers)}")
+        if cfg.max_positions and start + L > cfg.max_positions:
+            raise ValueError(f"the sequence would reach {start + L} tokens, past this model's {cfg.max_positions} positions")
+        Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pos = np.arange(start, start + L)
+        h = self.embed[ids]  # (B, L, E), a copy
+        if cfg.embed_scale != 1.0:
+            h *= self._embed_scale
+        if self.positions is not None:
+            h += self.positions[pos]
+        angles = {}
+        attentions, hidden = [], [h.copy()] if output_hidden_states else []
+        for i, layer in enumerate(self.layers):
+            a = _norm(cfg, h, layer.attn_norm)
+            qkv = _linear(a, layer.w_qkv, layer.b_qkv)  # (B, L, (Hq + 2 Hk) D)
+            q = qkv[..., : Hq * D].reshape(B, L, Hq, D).swapaxes(1, 2)  # (B, Hq, L, D)
+            k = qkv[..., Hq * D : (Hq + Hk) * D].reshape(B, L, Hk, D).swapaxes(1, 2)  # (B, Hk, L, D)
+            v = qkv[..., (Hq + Hk) * D :].reshape(B, L, Hk, D).swapaxes(1, 2)  # (B, Hk, L, D)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.norm_eps)
+            if cfg.rope:
+                base = cfg.rope_bases[i]
+                if base not in angles:
+                    angles[base] = rope_angles(pos, D, base)  # shared by the layers with this base
+                q = apply_rope(q, angles=angles[base])
+                k = apply_rope(k, angles=angles[base])
+            if cache is not None:
+                k, v = cache.update(i, k, v)  # (B, Hk, S, D): the kept keys, then these
+            window = cfg.windows[i]
+            res = scaled_dot_product_attention(
+                q, k, v,
+                is_causal=True,
+                window=None if window is None else (window - 1, 0),
+                scale=cfg.query_scale,
+                return_weights=output_attentions,
+            )
+            o, w = res if output_attentions else (res, None)
+            o = o.swapaxes(1, 2).reshape(B, L, Hq * D)  # (B, L, Hq D): heads merged
+            o = _linear(o, layer.w_out, layer.b_out)  # (B, L, E)
+            if layer.post_attn_norm is not None:
+                o = _norm(cfg, o, layer.post_attn_norm)
+            h += o
+            m = _norm(cfg, h, layer.mlp_norm)
+            u = _linear(m, layer.w_up, layer.b_up)  # (B, L, 2F) or (B, L, F)
+            act = ACTIVATIONS[cfg.activation]
+            if cfg.gated_mlp:
+                F = cfg.intermediate_size
+                g = act(u[..., :F], [np.empty_like(u[..., :F]) for _ in range(3)])  # act(gate), in place
+                g *= u[..., F:]
+                u = g
+            else:
+                u = act(u, [np.empty_like(u) for _ in range(3)])
+            m = _linear(u, layer.w_down, layer.b_down)  # (B, L, E)
+            if layer.post_mlp_norm is not None:
+                m = _norm(cfg, m, layer.post_mlp_norm)
+            h += m
+            if output_attentions:
+                attentions.append(w)
+            if output_hidden_states:
+                hidden.append(h.copy())
+        if logits_to_keep:
+            h = h[:, -int(logits_to_keep) :]
+        h = _norm(cfg, h, self.final_norm)
+        logits = h @ self.lm_head.T  # (B, L, V)
+        if cfg.final_logit_softcap:
+            c = np.float32(cfg.final_logit_softcap)
+            logits = np.tanh(logits / c) * c
+        return CausalLMOutput(logits=logits, attentions=tuple(attentions) if output_attentions else None, hidden_states=tuple(hidden) if output_hidden_states else None)
+
+    def __call__(self, input_ids, cache: KVCache | None = None) -> np.ndarray:
+        """Next-token logits at every position: ``(L, V)`` for ``(L,)`` ids, ``(B, L, V)`` for ``(B, L)``.
+
+        Examples
+        --------
+        >>> from qkv.models import load_causal_lm
+        >>> lm = load_causal_lm()
+        >>> ids = lm.tokenizer.encode("The capital of France is")
+        >>> logits = lm(ids)
+        >>> logits.shape, logits.dtype
+        ((6, 262144), dtype('float32'))
+        >>> lm.tokenizer.decode([int(logits[-1].argmax())])
+        ' the'
+        """
+        _, unbatched = self._ids(input_ids)
+        logits = self.forward(input_ids, cache).logits
+        return logits[0] if unbatched else logits
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed=None, stop_at_eos: bool = True, on_token=None) -> GenerateOutput:
+        """Continue ``prompt``: greedy by default, or sampled.
+
+        Parameters
+        ----------
+        prompt : str or sequence of int
+            Text (tokenized with BOS as the model expects) or token ids.
+        max_new_tokens : int, default 32
+        temperature : float, default 0.0
+            0 picks the most likely token (greedy); above 0, sample from
+            ``softmax(logits / temperature)``.
+        top_k : int, optional
+            Sample only among the ``k`` most likely tokens.
+        top_p : float in (0, 1], optional
+            Sample only among the most likely tokens whose probabilities
+            add up to ``top_p`` (nucleus sampling).
+        seed : int or numpy.random.Generator, optional
+            Source of the samples; needed when ``temperature > 0`` (the same
+            seed gives the same text).
+        stop_at_eos : bool, default True
+        on_token : callable, optional
+            Called with each new token id as soon as it is chosen (for streaming).
+
+        Returns
+        -------
+        GenerateOutput
+
+        Examples
+        --------
+        >>> from qkv.models import load_causal_lm
+        >>> lm = load_causal_lm()
+        >>> out = lm.generate("The capital of France is", max_new_tokens=4)
+        >>> out.text
+        ' the capital of the'
+        """
+        from .sampling import check_sampling, next_token
+
+        max_new_tokens, temperature, top_k, top_p = check_sampling(max_new_tokens, temperature, top_k, top_p)
+        rng = None
+        if temperature > 0:
+            if seed is None:
+                raise ValueError("seed is required when temperature > 0 (an int or a numpy.random.Generator): sampling is deterministic for a seed")
+            rng = as_rng(seed, "seed")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in np.asarray(prompt).ravel()] if not isinstance(prompt, list) else [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give some text (or at least one token id)")
+        self._ids(prompt_ids)  # range check before any work
+        eos = set(self.tokenizer.eos_ids if self.tokenizer is not None else ())
+        new: list[int] = []
+        stop = "length"
+        cache = self.new_cache()
+        t0 = time.perf_counter()
+        t_first = None
+        if max_new_tokens:
+            logits = self.forward(prompt_ids, cache, logits_to_keep=1).logits[0, -1]
+            t_first = time.perf_counter()
+            while True:
+                tok = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
+                new.append(tok)
+                if on_token is not None:
+                    on_token(tok)
+                if stop_at_eos and tok in eos:
+                    stop = "eos"
+                    break
+                if len(new) >= max_new_tokens:
+                    break
+                if self.config.max_positions and len(cache) + 1 > self.config.max_positions:
+                    break
+                logits = self.forward([tok], cache, logits_to_keep=1).logits[0, -1]
+        t1 = time.perf_counter()
+        prefill = (t_first or t1) - t0
+        decode = t1 - (t_first or t1)
+        text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
+        return GenerateOutput(
+            text=text,
+            token_ids=new,
+            prompt_ids=list(prompt_ids),
+            stop_reason=stop,
+            timings={
+                "prompt_tokens": len(prompt_ids),
+                "new_tokens": len(new),
+                "prefill_s": prefill,
+                "decode_s": decode,
+                "decode_tokens_per_s": (len(new) - 1) / decode if len(new) > 1 and decode > 0 else None,
+            },
+        )

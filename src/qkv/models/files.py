@@ -1,0 +1,105 @@
+"""Reading a model's files safely: regular files only, JSON of bounded size, one error type.
+
+A model path may be anything a user types: a directory, a FIFO that would
+block forever, a link to ``/dev/zero`` that would read until memory runs
+out, a file without read permission, JSON that is not UTF-8 or not an
+object. Each of these is one :class:`ModelError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import stat
+from pathlib import Path
+
+from .errors import ModelError
+
+__all__ = ["regular_file", "read_json", "FieldReader", "MAX_JSON_BYTES"]
+
+MAX_JSON_BYTES = 64 << 20  #: config and tokenizer JSON larger than this is not a model's
+
+
+def regular_file(path: Path, what: str = "") -> Path:
+    """``path`` if it is a readable regular file (a link to one is fine), else a :class:`ModelError`."""
+    hint = f" ({what})" if what else ""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ModelError(f"{path}: missing file{hint}") from None
+    except PermissionError:
+        raise ModelError(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{path}: not a regular file{hint}")
+    if not os.access(path, os.R_OK):
+        raise ModelError(f"{path}: permission denied")
+    return Path(path)
+
+
+def read_json(path: Path, *, want=dict, max_bytes: int = MAX_JSON_BYTES):
+    """Parse a JSON file of a model; the top level must be ``want`` (dict or list)."""
+    path = regular_file(path)
+    if os.path.getsize(path) > max_bytes:
+        raise ModelError(f"{path}: larger than {max_bytes >> 20} MiB, not a model's JSON file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+        text = raw.decode("utf-8")
+        data = json.loads(text)
+    except PermissionError:
+        raise ModelError(f"{path}: permission denied") from None
+    except UnicodeDecodeError as exc:
+        raise ModelError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ModelError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not isinstance(data, want):
+        raise ModelError(f"{path}: should hold a JSON {'object' if want is dict else 'array'}, got {type(data).__name__}")
+    return data
+
+
+_REQUIRED = object()
+
+
+class FieldReader:
+    """Typed access to a config dict: every error names the file and the field.
+
+    ``get(key, int)`` is a required positive integer; ``get(key, float, 1e-6)``
+    an optional finite number; ``bool`` and ``str`` likewise. ``None`` (JSON
+    ``null``) counts as missing.
+    """
+
+    def __init__(self, config: dict, source: str):
+        self.config, self.source = config, source
+
+    def __call__(self, key: str, kind, default=_REQUIRED):
+        v = self.config.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise ModelError(f"{self.source}: missing field {key!r}")
+            return default
+        bad = None
+        if kind is int:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                bad = "a positive integer"
+            elif v < 1:
+                bad = "a positive integer"
+        elif kind is float:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                bad = "a finite number"
+            elif v <= 0:
+                bad = "a positive number"
+        elif kind is bool:
+            if not isinstance(v, bool):
+                bad = "true or false"
+        elif kind is str:
+            if not isinstance(v, str):
+                bad = "a string"
+        if bad:
+            raise ModelError(f"{self.source}: field {key!r} should be {bad}, got {v!r}")
+        return kind(v)

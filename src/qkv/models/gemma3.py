@@ -1,0 +1,193 @@
+"""Gemma 3 (text): what is peculiar to it.
+
+- Embeddings scaled by ``sqrt(E)``, tied to the LM head.
+- Four RMSNorms per block (before and after attention, before and after
+  the MLP), each multiplying by ``1 + w``; RMSNorm of every query and key
+  head (``q_norm``, ``k_norm``) before RoPE.
+- Five sliding-window layers (RoPE base 10,000) to one full layer (RoPE
+  base 1,000,000): layer ``i`` is full iff ``(i + 1) % 6 == 0``.
+- Scores scaled by ``query_pre_attn_scalar ** -0.5``; GeGLU MLP with tanh GELU.
+
+GGUF files (llama.cpp's ``gemma3`` architecture) store the norms already as
+``1 + w``. Their metadata has no local RoPE base and no layer pattern; both
+are Gemma 3's fixed values (Gemma 3 technical report, 2025; transformers'
+``Gemma3TextConfig`` defaults: ``rope_local_base_freq=10000``,
+``sliding_window_pattern=6``), taken from there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .decoder import DecoderConfig, DecoderLayer
+from .errors import ModelError
+
+__all__ = ["config_from_gguf", "config_from_hf", "layers_from_gguf", "weights_from_hf"]
+
+LOCAL_ROPE_BASE = 10000.0  #: Gemma 3's RoPE base on sliding-window layers (not in GGUF metadata)
+SLIDING_PATTERN = 6  #: every 6th layer is full attention (not in GGUF metadata)
+
+
+def _pattern(n_layers: int, window: int | None) -> list:
+    return [None if window is None or (i + 1) % SLIDING_PATTERN == 0 else window for i in range(n_layers)]
+
+
+def config_from_gguf(g) -> DecoderConfig:
+    """The model's :class:`DecoderConfig` from a :class:`GGUFFile` of architecture ``gemma3``."""
+    a = "gemma3."
+
+    def num(key, default=None):
+        v = g.field(a + key, default, required=default is None)
+        if isinstance(v, (bool, str, list, np.ndarray)) or v is None:
+            raise ModelError(f"{g.path}: metadata {a + key!r} should be a number, got {v!r}")
+        return v
+
+    E, n = int(num("embedding_length")), int(num("block_count"))
+    H, Hk = int(num("attention.head_count")), int(num("attention.head_count_kv", 1))
+    D = int(num("attention.key_length", E // max(H, 1)))
+    if int(num("attention.value_length", D)) != D:
+        raise ModelError(f"{g.path}: attention.value_length should equal key_length {D}")
+    window = int(num("attention.sliding_window", 0)) or None
+    base = float(num("rope.freq_base", 1_000_000.0))
+    windows = _pattern(n, window)
+    vocab = len(g.field("tokenizer.ggml.tokens", required=True))
+    scalar = float(num("attention.query_pre_attn_scalar", D)) if (a + "attention.query_pre_attn_scalar") in g.metadata else float(D)
+    return DecoderConfig(
+        family="gemma3",
+        vocab_size=vocab,
+        hidden_size=E,
+        num_layers=n,
+        num_heads=H,
+        num_kv_heads=Hk,
+        head_dim=D,
+        intermediate_size=int(num("feed_forward_length")),
+        norm="rms",
+        norm_eps=float(num("attention.layer_norm_rms_epsilon", 1e-6)),
+        activation="gelu_pytorch_tanh",
+        gated_mlp=True,
+        rope=True,
+        rope_bases=tuple(LOCAL_ROPE_BASE if w else base for w in windows),
+        windows=tuple(windows),
+        max_positions=int(num("context_length", 32768)),
+        query_scale=scalar**-0.5,
+        qk_norm=True,
+        sandwich_norm=True,
+        embed_scale=math.sqrt(E),
+        tie_embeddings=True,
+    )
+
+
+def layers_from_gguf(g, cfg: DecoderConfig):
+    """``(embed, layers, final_norm)`` from the GGUF tensors (llama.cpp names)."""
+    E, F, D, H, Hk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    embed = g.tensor("token_embd.weight", (cfg.vocab_size, E))
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+
+        def t(name, shape):
+            return g.tensor(p + name, shape)
+
+        layers.append(
+            DecoderLayer(
+                attn_norm=(t("attn_norm.weight", (E,)), None),  # stored as 1 + w
+                w_qkv=np.concatenate([t("attn_q.weight", (H * D, E)), t("attn_k.weight", (Hk * D, E)), t("attn_v.weight", (Hk * D, E))]),
+                b_qkv=None,
+                w_out=t("attn_output.weight", (E, H * D)),
+                b_out=None,
+                mlp_norm=(t("ffn_norm.weight", (E,)), None),
+                w_up=np.concatenate([t("ffn_gate.weight", (F, E)), t("ffn_up.weight", (F, E))]),
+                b_up=None,
+                w_down=t("ffn_down.weight", (E, F)),
+                b_down=None,
+                q_norm=t("attn_q_norm.weight", (D,)),
+                k_norm=t("attn_k_norm.weight", (D,)),
+                post_attn_norm=(t("post_attention_norm.weight", (E,)), None),
+                post_mlp_norm=(t("post_ffw_norm.weight", (E,)), None),
+            )
+        )
+    return embed, layers, (g.tensor("output_norm.weight", (E,)), None)
+
+
+def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
+    """A ``gemma3_text`` config.json; ``get(key, kind, default)`` reads and checks a field."""
+    n = get("num_hidden_layers", int)
+    E = get("hidden_size", int)
+    H = get("num_attention_heads", int)
+    D = get("head_dim", int, E // H if H else 0)
+    window = get("sliding_window", int, None)
+    types = c.get("layer_types")
+    if types is None:
+        pattern = get("sliding_window_pattern", int, SLIDING_PATTERN)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ModelError(f"{source}: layer_types should list 'sliding_attention' or 'full_attention' for each of the {n} layers, got {types!r}")
+    windows = [window if t == "sliding_attention" else None for t in types]
+    rp = c.get("rope_parameters") or {}
+    full_base = get("rope_theta", float, (rp.get("full_attention") or {}).get("rope_theta", 1_000_000.0))
+    local_base = get("rope_local_base_freq", float, (rp.get("sliding_attention") or {}).get("rope_theta", LOCAL_ROPE_BASE))
+    for kind, params in rp.items() if isinstance(rp, dict) else []:
+        if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+            raise ModelError(f"{source}: rope_parameters.{kind}.rope_type {params.get('rope_type')!r} is not supported (only 'default')")
+    if c.get("rope_scaling"):
+        raise ModelError(f"{source}: rope_scaling {c['rope_scaling']!r} is not supported")
+    return DecoderConfig(
+        family="gemma3",
+        vocab_size=get("vocab_size", int),
+        hidden_size=E,
+        num_layers=n,
+        num_heads=H,
+        num_kv_heads=get("num_key_value_heads", int, H),
+        head_dim=D,
+        intermediate_size=get("intermediate_size", int),
+        norm="rms",
+        norm_eps=get("rms_norm_eps", float, 1e-6),
+        activation=get("hidden_activation", str, "gelu_pytorch_tanh"),
+        gated_mlp=True,
+        rope=True,
+        rope_bases=tuple(local_base if w else full_base for w in windows),
+        windows=tuple(windows),
+        max_positions=get("max_position_embeddings", int, None),
+        query_scale=get("query_pre_attn_scalar", float, D) ** -0.5,
+        qk_norm=True,
+        sandwich_norm=True,
+        embed_scale=math.sqrt(E),
+        tie_embeddings=get("tie_word_embeddings", bool, True),
+        final_logit_softcap=get("final_logit_softcapping", float, None),
+    )
+
+
+def weights_from_hf(t, cfg: DecoderConfig):
+    """``(embed, layers, final_norm, lm_head)`` from Hugging Face names; ``t(name, shape)`` reads a tensor."""
+    E, F, D, H, Hk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    one = np.float32(1)
+
+    def norm(name, size=E):
+        return t(name, (size,)) + one  # Gemma multiplies by 1 + w
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layers.append(
+            DecoderLayer(
+                attn_norm=(norm(p + "input_layernorm.weight"), None),
+                w_qkv=np.concatenate([t(p + "self_attn.q_proj.weight", (H * D, E)), t(p + "self_attn.k_proj.weight", (Hk * D, E)), t(p + "self_attn.v_proj.weight", (Hk * D, E))]),
+                b_qkv=None,
+                w_out=t(p + "self_attn.o_proj.weight", (E, H * D)),
+                b_out=None,
+                mlp_norm=(norm(p + "pre_feedforward_layernorm.weight"), None),
+                w_up=np.concatenate([t(p + "mlp.gate_proj.weight", (F, E)), t(p + "mlp.up_proj.weight", (F, E))]),
+                b_up=None,
+                w_down=t(p + "mlp.down_proj.weight", (E, F)),
+                b_down=None,
+                q_norm=norm(p + "self_attn.q_norm.weight", D),
+                k_norm=norm(p + "self_attn.k_norm.weight", D),
+                post_attn_norm=(norm(p + "post_attention_layernorm.weight"), None),
+                post_mlp_norm=(norm(p + "post_feedforward_layernorm.weight"), None),
+            )
+        )
+    embed = t("model.embed_tokens.weight", (cfg.vocab_size, E))
+    head = None if cfg.tie_embeddings else t("lm_head.weight", (cfg.vocab_size, E))
+    return embed, layers, (norm("model.norm.weight"), None), head

@@ -1,0 +1,207 @@
+"""Read a GGUF file: its metadata, its tensors (dequantized to float32) and its tokenizer.
+
+GGUF (llama.cpp's single-file model format) is a header of typed key/value
+metadata and tensor descriptions, then the tensor data, aligned. Two parts
+come from the ``gguf`` package, the format's reference implementation: the
+format's constants (value types, quantization types and their block sizes)
+and :func:`gguf.quants.dequantize`, which turns Q8_0, Q5_0, Q4_K, Q6_K, ...
+blocks into floats.
+
+The header itself is parsed here. ``gguf.GGUFReader`` parses every string of
+a 262,144-token vocabulary as its own NumPy view, which takes about 25 s;
+read as plain bytes, the same header takes well under a second. Tensor data
+is memory-mapped and dequantized only when a tensor is asked for.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ModelError
+
+__all__ = ["GGUFFile"]
+
+_MAGIC = b"GGUF"
+_MAX_HEADER_ITEMS = 1 << 24  # more metadata entries or array items than any real file has: corrupt
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading GGUF files needs the gguf package: pip install 'qkv[models]'") from None
+    return gguf
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer, with a clear error where it runs out."""
+
+    def __init__(self, buf, source: str):
+        self.buf, self.pos, self.source = buf, 0, source
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ModelError(f"{self.source}: truncated GGUF header (wanted {n} bytes at offset {self.pos}, file has {len(self.buf)})")
+        view = memoryview(self.buf)[self.pos : self.pos + n]
+        self.pos += n
+        return view
+
+    def unpack(self, fmt: str):
+        size = struct.calcsize(fmt)
+        return struct.unpack_from("<" + fmt, self.take(size))[0]
+
+    def count(self, what: str) -> int:
+        n = self.unpack("Q")
+        if n > _MAX_HEADER_ITEMS:
+            raise ModelError(f"{self.source}: corrupt GGUF header ({what} count {n})")
+        return n
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        raw = bytes(self.take(n))
+        return raw.decode("utf-8", errors="replace")
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+def _value(cur: _Cursor, vtype: int, key: str):
+    if vtype in _SCALARS:
+        return cur.unpack(_SCALARS[vtype])
+    if vtype == _STRING:
+        return cur.string()
+    if vtype == _ARRAY:
+        etype = cur.unpack("I")
+        n = cur.count(f"{key} array")
+        if etype in _NUMPY:  # numbers: one read, as an array
+            dt = np.dtype(_NUMPY[etype])
+            return np.frombuffer(cur.take(n * dt.itemsize), dt).copy()
+        if etype == _STRING:
+            # Strings one after another: a tight loop over the bytes, no per-item object but the str.
+            buf, pos, out = cur.buf, cur.pos, []
+            unpack = struct.unpack_from
+            for _ in range(n):
+                if pos + 8 > len(buf):
+                    raise ModelError(f"{cur.source}: truncated GGUF header in {key}")
+                (size,) = unpack("<Q", buf, pos)
+                pos += 8
+                if pos + size > len(buf):
+                    raise ModelError(f"{cur.source}: truncated GGUF header in {key}")
+                out.append(str(buf[pos : pos + size], "utf-8", "replace"))
+                pos += size
+            cur.pos = pos
+            return out
+        return [_value(cur, etype, key) for _ in range(n)]
+    raise ModelError(f"{cur.source}: metadata {key!r} has unknown GGUF value type {vtype}")
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensors.
+
+    Attributes
+    ----------
+    path : Path
+    metadata : dict
+        ``{key: value}``: numbers, strings, lists of strings, arrays of numbers.
+    tensors : dict
+        ``{name: (shape, quantization type, byte offset)}``; shapes in NumPy
+        order (the file lists dims fastest first).
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        source = str(self.path)
+        try:
+            st = os.stat(self.path)  # follows a link: what matters is what it points to
+        except FileNotFoundError:
+            raise ModelError(f"{source}: missing file") from None
+        except OSError as exc:
+            raise ModelError(f"{source}: cannot read ({exc.strerror or exc})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelError(f"{source}: not a regular file")
+        try:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b""
+        except PermissionError:
+            raise ModelError(f"{source}: permission denied") from None
+        except OSError as exc:
+            raise ModelError(f"{source}: cannot read ({exc.strerror or exc})") from None
+        cur = _Cursor(self._map, source)
+        if len(self._map) < 4 or bytes(self._map[:4]) != _MAGIC:
+            raise ModelError(f"{source}: not a GGUF file (no GGUF magic at its start)")
+        cur.take(4)
+        version = cur.unpack("I")
+        if version not in (2, 3):
+            raise ModelError(f"{source}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors = cur.count("tensor")
+        n_kv = cur.count("metadata")
+        self.metadata = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = _value(cur, cur.unpack("I"), key)
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("I")
+            if n_dims > 8:
+                raise ModelError(f"{source}: tensor {name!r} has {n_dims} dims")
+            dims = [cur.unpack("Q") for _ in range(n_dims)]
+            qtype, offset = cur.unpack("I"), cur.unpack("Q")
+            infos.append((name, tuple(reversed(dims)), qtype, offset))
+        align = int(self.metadata.get("general.alignment", 32))
+        start = -(-cur.pos // align) * align
+        gguf = _gguf()
+        self.tensors = {}
+        for name, shape, qtype, offset in infos:
+            try:
+                qt = gguf.GGMLQuantizationType(qtype)
+            except ValueError:
+                raise ModelError(f"{source}: tensor {name!r} has unknown quantization type {qtype}") from None
+            block, type_size = gguf.GGML_QUANT_SIZES[qt]
+            if shape and shape[-1] % block:
+                raise ModelError(f"{source}: tensor {name!r} row of {shape[-1]} is not a whole number of {qt.name} blocks")
+            nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * type_size if shape else type_size
+            if start + offset + nbytes > len(self._map):
+                raise ModelError(f"{source}: truncated file: tensor {name!r} ends past the end of the file")
+            self.tensors[name] = (shape, qt, start + offset, nbytes)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def field(self, key: str, default=None, *, required: bool = False):
+        """A metadata value; ``required`` ones missing are a :class:`ModelError` naming the key."""
+        if key not in self.metadata:
+            if required:
+                raise ModelError(f"{self.path}: missing metadata {key!r}")
+            return default
+        return self.metadata[key]
+
+    def tensor(self, name: str, shape: tuple | None = None) -> np.ndarray:
+        """The tensor ``name`` as float32, checked against ``shape`` (NumPy order) when given."""
+        if name not in self.tensors:
+            raise ModelError(f"{self.path}: missing tensor {name!r}")
+        got, qt, offset, nbytes = self.tensors[name]
+        if shape is not None and tuple(got) != tuple(shape):
+            raise ModelError(f"{self.path}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(got)}")
+        gguf = _gguf()
+        raw = np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
+        block, type_size = gguf.GGML_QUANT_SIZES[qt]
+        if qt.name in ("F32", "F16", "BF16", "F64"):
+            dt = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}.get(qt.name)
+            if dt is not None:
+                return np.ascontiguousarray(raw.view(dt).reshape(got), dtype=np.float32)
+        rows = raw.reshape(-1, (got[-1] // block) * type_size)
+        try:
+            out = gguf.quants.dequantize(rows, qt)
+        except NotImplementedError:
+            raise ModelError(f"{self.path}: tensor {name!r}: quantization {qt.name} is not supported by gguf's dequantizer") from None
+        return np.ascontiguousarray(out.reshape(got), dtype=np.float32)

@@ -1,0 +1,65 @@
+"""GPT-2: what is peculiar to it.
+
+Learned absolute positions (a ``(n_positions, E)`` table) instead of RoPE;
+LayerNorm with bias; a plain MLP ``c_proj(gelu_new(c_fc(x)))``; every
+projection has a bias; the LM head is tied to the token embeddings. Its
+weights are ``Conv1D``: stored ``(in, out)``, the transpose of ``nn.Linear``,
+and the query, key and value projections fused in one ``c_attn``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .decoder import DecoderConfig, DecoderLayer
+
+__all__ = ["config_from_hf", "weights_from_hf"]
+
+
+def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
+    n = get("n_layer", int)
+    E = get("n_embd", int)
+    H = get("n_head", int)
+    inner = get("n_inner", int, None)
+    return DecoderConfig(
+        family="gpt2",
+        vocab_size=get("vocab_size", int),
+        hidden_size=E,
+        num_layers=n,
+        num_heads=H,
+        num_kv_heads=H,
+        head_dim=E // H if H and E % H == 0 else 0,
+        intermediate_size=inner or 4 * E,
+        norm="layer",
+        norm_eps=get("layer_norm_epsilon", float, 1e-5),
+        activation=get("activation_function", str, "gelu_new"),
+        gated_mlp=False,
+        rope=False,
+        windows=(None,) * n,
+        max_positions=get("n_positions", int, 1024),
+        query_scale=(E // H) ** -0.5 if get("scale_attn_weights", bool, True) and H and E % H == 0 else 1.0,
+        tie_embeddings=True,
+    )
+
+
+def weights_from_hf(t, cfg: DecoderConfig, has):
+    E, F = cfg.hidden_size, cfg.intermediate_size
+    pre = "transformer." if has("transformer.wte.weight") else ""
+
+    def conv(name, n_in, n_out):  # Conv1D (in, out) -> (out, in), as nn.Linear stores it
+        return np.ascontiguousarray(t(pre + name + ".weight", (n_in, n_out)).T), t(pre + name + ".bias", (n_out,))
+
+    def ln(name):
+        return t(pre + name + ".weight", (E,)), t(pre + name + ".bias", (E,))
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"h.{i}."
+        w_qkv, b_qkv = conv(p + "attn.c_attn", E, 3 * E)
+        w_out, b_out = conv(p + "attn.c_proj", E, E)
+        w_up, b_up = conv(p + "mlp.c_fc", E, F)
+        w_down, b_down = conv(p + "mlp.c_proj", F, E)
+        layers.append(DecoderLayer(attn_norm=ln(p + "ln_1"), w_qkv=w_qkv, b_qkv=b_qkv, w_out=w_out, b_out=b_out, mlp_norm=ln(p + "ln_2"), w_up=w_up, b_up=b_up, w_down=w_down, b_down=b_down))
+    embed = t(pre + "wte.weight", (cfg.vocab_size, E))
+    positions = t(pre + "wpe.weight", (cfg.max_positions, E))
+    return embed, layers, ln("ln_f"), positions

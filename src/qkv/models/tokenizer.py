@@ -166,11 +166,13 @@ def from_file(path: Path, config: dict) -> TextTokenizer:
     added by :meth:`TextTokenizer.encode`, once, where the model family
     expects it.
     """
+    from .files import read_json, regular_file
+
     tk = _tokenizers()
+    regular_file(path, "qkv needs a fast-tokenizer tokenizer.json")
+    read_json(path)  # a FIFO, a huge file, bad UTF-8 or bad JSON: one clear error before the parser
     try:
         tok = tk.Tokenizer.from_file(str(path))
-    except FileNotFoundError:
-        raise ModelError(f"{path}: missing file (qkv needs a fast-tokenizer tokenizer.json)") from None
     except Exception as exc:
         raise ModelError(f"{path}: cannot read tokenizer ({exc})") from None
     tok.no_padding()

@@ -1,0 +1,161 @@
+"""KVCache, RoPE, RMSNorm/SiLU and sampling: against torch / transformers and by their defining properties."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qkv import KVCache, apply_rope, scaled_dot_product_attention as sdpa
+from qkv.cache import LayerCache
+from qkv.models.functional import rms_norm, silu
+from qkv.models.sampling import next_token
+from qkv.rope import rope_angles, rope_frequencies
+
+from conftest import to_np
+
+
+# ------------------------------------------------------------------ RoPE
+@pytest.mark.parametrize("base", [10000.0, 1_000_000.0, 500.0])
+@pytest.mark.parametrize("start", [0, 7, 4000])
+def test_rope_rotate_half_equals_transformers(torch, base, start):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rng = np.random.default_rng(0)
+    B, H, L, D = 2, 3, 9, 16
+    q, k = rng.standard_normal((2, B, H, L, D)).astype(np.float32)
+    pos = np.arange(start, start + L)
+    # transformers' rotary embedding: inv_freq and angles in float32, emb = cat(freqs, freqs)
+    inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    freqs = torch.tensor(pos, dtype=torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    tq, tk = apply_rotary_pos_emb(torch.tensor(q), torch.tensor(k), emb.cos()[None], emb.sin()[None])
+    np.testing.assert_allclose(apply_rope(q, pos, base=base), to_np(tq), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(apply_rope(k, pos, base=base), to_np(tk), atol=2e-5, rtol=0)
+
+
+def test_rope_interleaved_equals_complex_rotation(torch):
+    # Meta's original Llama code: pairs (2i, 2i+1) as complex numbers, times exp(i p theta).
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 11, 8)).astype(np.float32)
+    pos = np.arange(3, 14)
+    theta = torch.tensor(rope_frequencies(8, 10000.0))
+    rot = torch.polar(torch.ones(11, 4), torch.tensor(pos, dtype=torch.float32)[:, None] * theta[None])
+    want = torch.view_as_real(torch.view_as_complex(torch.tensor(x).reshape(4, 11, 4, 2)) * rot).reshape(4, 11, 8)
+    np.testing.assert_allclose(apply_rope(x, pos, style="interleaved"), to_np(want), atol=2e-5, rtol=0)
+
+
+@given(st.integers(0, 500), st.integers(0, 500), st.sampled_from(["rotate_half", "interleaved"]))
+def test_rope_scores_depend_on_relative_position(i, shift, style):
+    rng = np.random.default_rng(2)
+    q, k = rng.standard_normal((2, 1, 32))
+    j = (i * 7) % 300
+    s1 = apply_rope(q, [i], style=style) @ apply_rope(k, [j], style=style).T
+    s2 = apply_rope(q, [i + shift], style=style) @ apply_rope(k, [j + shift], style=style).T
+    # Angles are float32 (as in PyTorch models): at position p each is off by up to ~p * 2**-23 rad.
+    bound = (i + shift + j + 2) * 2.0**-22 * np.linalg.norm(q) * np.linalg.norm(k)
+    np.testing.assert_allclose(s1, s2, rtol=0, atol=bound)
+
+
+def test_rope_keeps_norms_and_dtype():
+    x = np.random.default_rng(3).standard_normal((2, 5, 6)).astype(np.float32)
+    y = apply_rope(x, np.arange(5) * 1000)
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    np.testing.assert_array_equal(apply_rope(x, np.zeros(5, int)), x)  # position 0: no rotation
+
+
+def test_rope_errors():
+    with pytest.raises(ValueError, match="last dim should be even"):
+        apply_rope(np.ones((3, 5)))
+    with pytest.raises(ValueError, match="style should be one of"):
+        apply_rope(np.ones((3, 4)), style="halves")
+    with pytest.raises(ValueError, match="positions should be >= 0"):
+        apply_rope(np.ones((3, 4)), [-1, 0, 1])
+    with pytest.raises(TypeError, match="positions should be integers"):
+        apply_rope(np.ones((3, 4)), [0.5, 1, 2])
+    with pytest.raises(ValueError, match="base should be a finite number > 1"):
+        rope_frequencies(4, base=0.5)
+    with pytest.raises(ValueError, match="one angle row per query row"):
+        apply_rope(np.ones((3, 4)), [0, 1])
+    cos, sin = rope_angles([0, 1, 2], 4)
+    assert cos.shape == (3, 2) and cos.dtype == np.float32
+
+
+# ------------------------------------------------------------------ KV cache
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=8), st.sampled_from([None, 1, 2, 5]), st.integers(1, 3))
+def test_cache_chunks_equal_full_causal_pass(chunks, window, G):
+    """Any split of a sequence into chunks through the cache equals one causal pass (with or without a window)."""
+    rng = np.random.default_rng(len(chunks) * 31 + (window or 0))
+    n = sum(chunks)
+    q = rng.standard_normal((2, G, n, 4))
+    k, v = rng.standard_normal((2, 2, 1, n, 4))
+    win = None if window is None else (window - 1, 0)
+    full = sdpa(q, k, v, is_causal=True, window=win)
+    cache = KVCache(1, windows=window)
+    out, t = [], 0
+    for c in chunks:
+        keys, values = cache.update(0, k[..., t : t + c, :], v[..., t : t + c, :])
+        out.append(sdpa(q[..., t : t + c, :], keys, values, is_causal=True, window=win))
+        t += c
+        assert cache.layers[0].stored == (t if window is None else min(t, window - 1))
+    np.testing.assert_allclose(np.concatenate(out, axis=-2), full, atol=1e-12)
+    assert len(cache) == n
+
+
+def test_sliding_cache_memory_is_bounded():
+    c = LayerCache(window=8)
+    sizes = set()
+    for t in range(1000):
+        c.update(np.ones((1, 1, 4)) * t, np.ones((1, 1, 4)) * t)
+        sizes.add(c.nbytes)
+    assert c.stored == 7
+    np.testing.assert_array_equal(c.keys_values()[0][0, :, 0], np.arange(993, 1000))
+    assert max(sizes) <= 2 * max(16, 2 * 7 + 1) * 4 * 8  # keys + values, capacity max(16, 2 (window - 1) + n)
+    full = LayerCache()
+    for t in range(1000):
+        full.update(np.ones((1, 1, 4)), np.ones((1, 1, 4)))
+    assert full.stored == 1000 and full.nbytes <= 2 * 2 * 1000 * 4 * 8  # geometric growth: at most 2x
+
+
+def test_cache_errors():
+    cache = KVCache(2, windows=[None, 4])
+    cache.update(0, np.ones((1, 3, 4)), np.ones((1, 3, 2)))
+    with pytest.raises(ValueError, match="should continue the cache's"):
+        cache.update(0, np.ones((2, 1, 4)), np.ones((2, 1, 2)))
+    with pytest.raises(ValueError, match="key and value should agree"):
+        cache.update(1, np.ones((1, 3, 4)), np.ones((1, 2, 4)))
+    with pytest.raises(ValueError, match="layer should be < 2"):
+        cache.update(2, np.ones((1, 1, 4)), np.ones((1, 1, 4)))
+    with pytest.raises(ValueError, match="windows should give one entry per layer"):
+        KVCache(3, windows=[None])
+    with pytest.raises(ValueError, match="window should be >= 1"):
+        KVCache(1, windows=0)
+
+
+# ------------------------------------------------------------------ norms and activations
+def test_rms_norm_and_silu_equal_torch(torch):
+    x = np.random.default_rng(4).standard_normal((3, 7, 64)).astype(np.float32) * 5
+    w = np.random.default_rng(5).standard_normal(64).astype(np.float32)
+    want = torch.nn.functional.rms_norm(torch.tensor(x), (64,), torch.tensor(w), eps=1e-6)
+    got = rms_norm(x, w, 1e-6)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, to_np(want), rtol=2e-6, atol=2e-6)
+    s = silu(x)
+    assert s.dtype == np.float32
+    np.testing.assert_allclose(s, to_np(torch.nn.functional.silu(torch.tensor(x))), rtol=2e-6, atol=1e-6)
+    big = np.array([-1000.0, -100.0, 0.0, 100.0], np.float32)
+    np.testing.assert_array_equal(silu(big), to_np(torch.nn.functional.silu(torch.tensor(big))))
+
+
+# ------------------------------------------------------------------ sampling
+def test_sampling_follows_the_distribution():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    draws = np.bincount([next_token(logits, temperature=1.0, rng=rng) for _ in range(4000)], minlength=4) / 4000
+    np.testing.assert_allclose(draws, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    top2 = {next_token(logits, temperature=1.0, top_k=2, rng=rng) for _ in range(300)}
+    assert top2 == {0, 1}
+    nucleus = {next_token(logits, temperature=1.0, top_p=0.75, rng=rng) for _ in range(300)}
+    assert nucleus == {0, 1}  # 0.5 < 0.75 <= 0.8: the first two
+    assert {next_token(logits, temperature=1.0, top_p=0.5, rng=rng) for _ in range(100)} == {0}
+    assert next_token(logits) == 0

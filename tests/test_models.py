@@ -271,7 +271,7 @@ def test_tiny_truncation_warns(tmp_path):
         (lambda p: (p / "model.safetensors").write_bytes(b"garbage"), r"model.safetensors: cannot read safetensors"),
         (lambda p: write_tiny(p, drop=["encoder.layer.1.output.dense.bias"]), r"model.safetensors: missing tensor 'encoder.layer.1.output.dense.bias'"),
         (lambda p: write_tiny(p, reshape={"encoder.layer.0.attention.self.key.weight": (8, 9)}), r"model.safetensors: tensor 'encoder.layer.0.attention.self.key.weight' should have shape \(8, 8\), got \(8, 9\)"),
-        (lambda p: write_tiny(p, hidden_act="swish"), r"config.json: hidden_act 'swish' is not supported"),
+        (lambda p: write_tiny(p, hidden_act="mish"), r"config.json: hidden_act 'mish' is not supported"),
         (lambda p: write_tiny(p, config_extra={"model_type": "gpt2"}), r"config.json: model_type 'gpt2' is not supported"),
         (lambda p: write_tiny(p, config_extra={"position_embedding_type": "relative_key"}), r"position_embedding_type 'relative_key' is not supported"),
         (lambda p: (p / "config.json").write_text("{not json"), r"config.json: not valid JSON"),

@@ -7,7 +7,9 @@ traceback from deep inside NumPy.
 
 from __future__ import annotations
 
+import math
 import numbers
+import os
 
 import numpy as np
 
@@ -20,8 +22,10 @@ def as_array(x, name: str, *, min_ndim: int = 0) -> np.ndarray:
         arr = np.asarray(x)
     except Exception as exc:  # ragged lists, objects without __array__, ...
         raise TypeError(f"{name} should be an array, got {type(x).__name__}: {exc}") from None
-    if arr.dtype == object or arr.dtype.kind in "USV":
+    if arr.dtype == object or arr.dtype.kind in "USVMm":
         raise TypeError(f"{name} should be a numeric array, got dtype {arr.dtype} from {type(x).__name__}")
+    if arr.dtype.kind == "c":
+        raise TypeError(f"{name} should be a real array (attention is defined on real numbers), got dtype {arr.dtype}")
     if arr.ndim < min_ndim:
         raise ValueError(f"{name} should have at least {min_ndim} dimensions, got shape {arr.shape}")
     return arr
@@ -63,8 +67,34 @@ def as_rng(rng, name: str = "rng") -> np.random.Generator:
     if isinstance(rng, np.random.Generator):
         return rng
     if isinstance(rng, bool) or not isinstance(rng, (numbers.Integral, np.random.SeedSequence)):
-        raise TypeError(f"{name} should be an int seed or a numpy.random.Generator, got {type(rng).__name__}")
+        raise TypeError(f"{name} should be an int seed or a numpy.random.Generator, got {type(rng).__name__} {rng!r}")
+    if isinstance(rng, numbers.Integral) and rng < 0:
+        raise ValueError(f"{name} should be a non-negative int seed or a numpy.random.Generator, got {rng}")
     return np.random.default_rng(rng)
+
+
+def check_real(value, name: str, *, finite: bool = True, minimum: float | None = None, maximum: float | None = None) -> float:
+    """A real number (not bool, not complex), finite unless told otherwise, within [minimum, maximum]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} should be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if finite and not math.isfinite(value):
+        raise ValueError(f"{name} should be a finite number, got {value}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "-inf" if minimum is None else f"{minimum:g}"
+        hi = "inf" if maximum is None else f"{maximum:g}"
+        raise ValueError(f"{name} should be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_fits(nbytes: int, what: str, hint: str) -> None:
+    """A ``MemoryError`` before allocating more than this machine's memory, saying how much and what to do."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return
+    if nbytes > total:
+        raise MemoryError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than this machine's {total / 2**30:.1f} GiB of memory; {hint}")
 
 
 def float_dtype(*arrays: np.ndarray) -> np.dtype:

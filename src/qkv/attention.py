@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import masks as _masks
-from ._checks import as_array, as_bool_mask, as_rng, check_broadcast, check_int, float_dtype
+from ._checks import as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, float_dtype
+from ._parallel import check_workers
 from .softmax import softmax_
 
 __all__ = [
@@ -114,19 +115,23 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
         )
     dtype = float_dtype(q, k) if v is None else float_dtype(q, k, v)
     compute_dtype = np.dtype(np.float32) if dtype == np.float16 else dtype
-    unbatched = q.ndim == 2
+    # Unbatched only when nothing carries batch or head dims: a (L, D) query against batched keys
+    # broadcasts like any other leading dims, and the result keeps them.
+    unbatched = q.ndim == 2 and k.ndim == 2 and (v is None or v.ndim == 2)
     q, k = _heads_axis(q), _heads_axis(k)
     v = None if v is None else _heads_axis(v)
     Hq, L, D = q.shape[-3:]
     Hk, S = k.shape[-3], k.shape[-2]
     if v is not None and v.shape[-3] != Hk:
         raise ValueError(f"key and value heads (Hk) should match, got key {k.shape} and value {v.shape}")
-    if Hq % Hk:
+    if Hk == 0 and Hq:
+        raise ValueError(f"key should have at least one head when query has {Hq}, got key {k.shape}")
+    if Hq % max(Hk, 1):
         raise ValueError(
             f"query heads should be a multiple of key/value heads, got query {q.shape} (Hq={Hq}) "
             f"and key {k.shape} (Hk={Hk})"
         )
-    G = Hq // Hk
+    G = Hq // Hk if Hk else 0
     try:
         batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], () if v is None else v.shape[:-3])
     except ValueError:
@@ -140,7 +145,7 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
             raise ValueError(f"scale cannot default to 1/sqrt(D) when D == 0 (query {q.shape}); pass scale=")
         scale = 1.0 / math.sqrt(D)
     else:
-        scale = float(scale)
+        scale = check_real(scale, "scale")
 
     # What the user sees: unbatched input has no heads axis.
     user_scores_shape = scores_shape[1:] if unbatched else scores_shape
@@ -235,15 +240,17 @@ def _dropout(weights: np.ndarray, p: _Problem, dropout_p: float, rng) -> np.ndar
 
 
 def _check_dropout(dropout_p) -> float:
-    dropout_p = float(dropout_p)
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p should be in [0, 1], got {dropout_p}")
-    return dropout_p
+    return check_real(dropout_p, "dropout_p", minimum=0.0, maximum=1.0)
 
 
-def _finish(x: np.ndarray, p: _Problem, last: int) -> np.ndarray:
-    """(..., Hk, G, L, X) -> (..., Hq, L, X), dtype restored, heads axis dropped for unbatched input."""
-    x = x.reshape(*p.scores_shape[:-1], last).astype(p.dtype, copy=False)
+def _finish(x: np.ndarray, p: _Problem, last: int, *, keep_dtype: bool = False) -> np.ndarray:
+    """(..., Hk, G, L, X) -> (..., Hq, L, X), dtype restored, heads axis dropped for unbatched input.
+
+    ``keep_dtype``: stay in the compute dtype (the log-sum-exp of float16 input stays float32).
+    """
+    x = x.reshape(*p.scores_shape[:-1], last)
+    if not keep_dtype:
+        x = x.astype(p.dtype, copy=False)
     return x[0] if p.unbatched else x
 
 
@@ -327,13 +334,21 @@ def scaled_dot_product_attention(
         (after dropout, as PyTorch returns them); zero rows where nothing may
         be attended.
     lse : ndarray, shape (..., Hq, L)
-        Only with ``return_lse`` (after the weights if both are asked).
+        Only with ``return_lse`` (after the weights if both are asked). In
+        the compute dtype: float32 for float16 input, as FlashAttention keeps
+        it, so that :func:`merge_attention` of half-precision parts loses
+        nothing to the log-sum-exp.
 
     Notes
     -----
     The result dtype is NumPy's promotion of the inputs' dtypes (integer and
     bool inputs give float64; float32 stays float32). float16 input is
-    computed in float32 and returned as float16.
+    computed in float32 and returned as float16. Complex input is a
+    ``TypeError``. A NaN in the inputs gives NaN in the rows it reaches, on
+    both paths; a non-finite ``scale`` is a ``ValueError``.
+
+    A query ``(L, D)`` with batched keys ``(..., Hk, S, D)`` is broadcast
+    like any leading dims: the output is ``(..., Hk, L, Dv)``.
 
     Examples
     --------
@@ -351,13 +366,22 @@ def scaled_dot_product_attention(
     """
     p = _prepare(query, key, value, mask, bias, is_causal, scale, window)
     dropout_p = _check_dropout(dropout_p)
+    workers = check_workers(workers)
     impl = choose_implementation(p, implementation, return_weights)
+    if 0 in p.scores_shape or 0 in p.out_shape:  # zero heads, lengths or batch: empty results, as torch
+        out = np.zeros(p.out_shape[1:] if p.unbatched else p.out_shape, p.dtype)  # S == 0: zero rows
+        extra = [np.zeros(p.scores_shape[1:] if p.unbatched else p.scores_shape, p.dtype)] if return_weights else []
+        if return_lse:
+            extra.append(np.full((p.scores_shape[1:] if p.unbatched else p.scores_shape)[:-1], -np.inf, p.compute_dtype))
+        return (out, *extra) if extra else out
+    if impl == "direct":
+        _check_direct_fits(p, dropout_p > 0)
     if impl == "tiled":
         from .flash import tiled_attention
 
         key_ = None if dropout_p == 0.0 else _dropout_key(_need_rng(rng))
         out, lse = tiled_attention(p, dropout_p=dropout_p, dropout_key=key_, workers=workers)
-        extra = [_finish(lse[..., None], p, 1)[..., 0]] if return_lse else []
+        extra = [_finish(lse[..., None], p, 1, keep_dtype=True)[..., 0]] if return_lse else []
         out = _finish(out, p, p.out_shape[-1])
         return (out, *extra) if extra else out
     res = _weights(p, want_lse=return_lse)
@@ -369,8 +393,16 @@ def scaled_dot_product_attention(
     if return_weights:
         extra.append(_finish(weights, p, p.scores_shape[-1]))
     if return_lse:
-        extra.append(_finish(lse[..., None], p, 1)[..., 0])
+        extra.append(_finish(lse[..., None], p, 1, keep_dtype=True)[..., 0])
     return (out, *extra) if extra else out
+
+
+def _check_direct_fits(p: _Problem, dropout: bool) -> None:
+    *batch, Hq, L, S = p.scores_shape
+    D, Dv = p.q.shape[-1], p.out_shape[-1]
+    Hk = p.k.shape[-4]
+    need = _estimate(tuple(batch), Hq, Hk, L, S, D, Dv, p.compute_dtype.itemsize, "direct", masked=p.mask is not None or p.window is not None, dropout=dropout, workers=1, biased=p.bias is not None, converted=p.dtype != p.compute_dtype)
+    check_fits(need, f"the direct path on scores of shape {tuple(p.scores_shape)}", "use implementation='tiled' (O((L + S) D) memory, no weights), or see qkv.memory_estimate")
 
 
 def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = False, window=None, scale: float | None = None):
@@ -398,6 +430,9 @@ def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = Fal
            [0.333, 0.333, 0.333]])
     """
     p = _prepare(query, key, None, mask, bias, is_causal, scale, window)
+    if 0 in p.scores_shape:
+        return np.zeros(p.scores_shape[1:] if p.unbatched else p.scores_shape, p.dtype)
+    _check_direct_fits(p, False)
     return _finish(_weights(p), p, p.scores_shape[-1])
 
 
@@ -409,27 +444,31 @@ AUTO_TILED_MIN_BYTES = 4 << 20
 _IMPLEMENTATIONS = ("auto", "direct", "tiled")
 
 
-def _estimate(batch, Hq, Hk, L, S, D, Dv, itemsize, implementation, *, masked, dropout, workers) -> int:
+def _estimate(batch, Hq, Hk, L, S, D, Dv, itemsize, implementation, *, masked, dropout, workers, biased=False, converted=False) -> int:
+    """Bytes beyond inputs and output; ``itemsize`` of the compute dtype; ``converted``: inputs are cast to it."""
     n_batch = math.prod(batch)
     n_scores = n_batch * Hq * L * S
+    # float16 input: queries, keys and values are cast to float32, and the float32 output is cast back.
+    cast = n_batch * (Hq * L * D + Hk * S * (D + Dv) + Hq * L * Dv) * itemsize if converted else 0
     if implementation == "direct":
         extra = n_scores * itemsize  # the scores, turned into the weights in place
+        extra += n_scores * itemsize if biased else 0  # scores + bias is a new array
         extra += n_scores if masked else 0  # the inverted boolean mask
         extra += n_scores * 24 if dropout else 0  # flat indices, hash, keep mask
         extra += n_batch * Hq * L * (D * itemsize + 16)  # scaled queries, row max and sum
-        return int(extra)
+        return int(extra + cast)
     from .flash import BLOCK_K, BLOCK_Q
 
-    G = Hq // Hk
+    G = max(1, Hq // max(Hk, 1))
     rows = G * min(max(1, BLOCK_Q // G), L)
     cols = min(BLOCK_K, S)
-    kv = n_batch * Hk * S * (D + 1 + Dv + 1) * itemsize  # keys and values with a column of ones
-    per_worker = (rows * cols * (itemsize + (1 if masked else 0) + (24 if dropout else 0)) + rows * (D + 1 + 2 * (Dv + 1)) * itemsize + rows * 32)
+    kx = n_batch * Hk * S * (D + 1) * itemsize  # keys with a column of ones
+    per_worker = rows * cols * (itemsize + (1 if masked else 0) + (24 if dropout else 0)) + rows * (D + 1 + 2 * Dv) * itemsize + rows * 64
     workers = 1 if workers is None else workers
-    return int(kv + per_worker * workers + n_batch * Hq * L * 8)
+    return int(kx + per_worker * workers + n_batch * Hq * L * itemsize + cast)
 
 
-def memory_estimate(query_shape, key_shape, value_shape=None, *, dtype=np.float32, implementation: str = "direct", masked: bool = False, dropout: bool = False, workers: int | None = None) -> int:
+def memory_estimate(query_shape, key_shape, value_shape=None, *, dtype=np.float32, implementation: str = "direct", masked: bool = False, dropout: bool = False, biased: bool = False, workers: int | None = None) -> int:
     """Bytes of working memory one attention call needs beyond its inputs and output.
 
     Parameters
@@ -442,6 +481,8 @@ def memory_estimate(query_shape, key_shape, value_shape=None, *, dtype=np.float3
     masked : bool
         Whether a mask, ``is_causal`` or ``window`` is given.
     dropout : bool
+    biased : bool
+        Whether a ``bias`` is given.
     workers : int, optional
         Threads of the tiled path (default: the CPUs available).
 
@@ -461,16 +502,28 @@ def memory_estimate(query_shape, key_shape, value_shape=None, *, dtype=np.float3
     if implementation not in ("direct", "tiled"):
         raise ValueError(f"implementation should be 'direct' or 'tiled', got {implementation!r}")
     value_shape = key_shape if value_shape is None else value_shape
-    *qb, Hq, L, D = query_shape
-    *kb, Hk, S, _ = key_shape
-    Dv = value_shape[-1]
+    shapes = {}
+    for name, shape in (("query_shape", query_shape), ("key_shape", key_shape), ("value_shape", value_shape)):
+        try:
+            shape = tuple(int(check_int(n, name)) for n in shape)
+        except TypeError:
+            raise TypeError(f"{name} should be a tuple of ints (..., H, L, D), got {shape!r}") from None
+        if len(shape) < 3 or min(shape) < 0:
+            raise ValueError(f"{name} should be (..., H, L, D) with sizes >= 0, got {shape}")
+        shapes[name] = shape
+    *qb, Hq, L, D = shapes["query_shape"]
+    *kb, Hk, S, _ = shapes["key_shape"]
+    Dv = shapes["value_shape"][-1]
     batch = np.broadcast_shapes(tuple(qb), tuple(kb))
-    if workers is None:
-        from ._parallel import default_workers
-
-        workers = default_workers()
-    itemsize = max(np.dtype(dtype).itemsize, 4)
-    return _estimate(batch, Hq, Hk, L, S, D, Dv, itemsize, implementation, masked=masked, dropout=dropout, workers=workers)
+    workers = check_workers(workers)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype should be a NumPy float dtype, got {dtype!r}") from None
+    if dt.kind != "f":
+        raise TypeError(f"dtype should be a NumPy float dtype, got {dt}")
+    itemsize = max(dt.itemsize, 4)
+    return _estimate(batch, Hq, Hk, L, S, D, Dv, itemsize, implementation, masked=masked, dropout=dropout, workers=workers, biased=biased, converted=dt.itemsize < 4)
 
 
 def choose_implementation(p: _Problem, implementation: str = "auto", return_weights: bool = False) -> str:
@@ -519,8 +572,14 @@ def merge_attention(outputs, lses):
     Returns
     -------
     output : ndarray, shape (..., L, Dv)
-        Zero rows where no part had anything to attend to.
+        Zero rows where no part had anything to attend to; NaN rows where
+        a part's output or log-sum-exp is NaN.
     lse : ndarray, shape (..., L)
+
+    Raises
+    ------
+    ValueError
+        An ``lse`` of ``+inf`` (overflowed scores: no finite weighting exists).
 
     Examples
     --------
@@ -541,6 +600,9 @@ def merge_attention(outputs, lses):
     for i, (o, x) in enumerate(zip(outputs, lses)):
         if o.shape[:-1] != x.shape or o.shape != outputs[0].shape:
             raise ValueError(f"outputs[{i}] shape {o.shape} and lses[{i}] shape {x.shape} should be (..., L, Dv) and (..., L), alike for every part")
+    for i, x in enumerate(lses):
+        if np.any(x == np.inf):
+            raise ValueError(f"lses[{i}] contains +inf: a log-sum-exp of attention scores is finite or -inf (nothing attended); +inf means the scores overflowed")
     stacked = np.stack(lses)  # (P, ..., L)
     m = np.max(stacked, axis=0)
     m_safe = np.where(np.isfinite(m), m, 0)

@@ -136,7 +136,12 @@ class MultiHeadAttention:
         self.vdim = embed_dim if vdim is None else check_int(vdim, "vdim", minimum=1)
         self.head_dim = embed_dim // num_heads
         self.use_bias = bool(use_bias)
-        self.dtype = np.dtype(dtype)
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype should be a NumPy float dtype (float32 or float64), got {dtype!r}") from None
+        if self.dtype.kind != "f":
+            raise TypeError(f"dtype should be a NumPy float dtype (float32 or float64), got {self.dtype}: attention weights of integers are all rounded to 0")
 
         gen = as_rng(0 if rng is None else rng, "rng")
         E, Dh, Hk = self.embed_dim, self.head_dim, self.num_kv_heads

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import as_array, as_bool_mask, check_int
+from ._checks import as_array, as_bool_mask, check_fits, check_int
 
 __all__ = ["causal", "padding", "sliding_window", "combine", "from_torch"]
 
@@ -31,6 +31,10 @@ def _offset(L: int, S: int, alignment: str) -> int:
     if alignment not in _ALIGNMENTS:
         raise ValueError(f"alignment should be one of {_ALIGNMENTS}, got {alignment!r}")
     return S - L if alignment == "bottom_right" else 0
+
+
+def _check_size(L: int, S: int) -> None:
+    check_fits(L * S, f"a ({L}, {S}) mask", "pass is_causal=True or window= to scaled_dot_product_attention instead: the tiled path never forms the mask")
 
 
 def causal(L: int, S: int | None = None, *, alignment: str = "bottom_right") -> np.ndarray:
@@ -68,6 +72,7 @@ def causal(L: int, S: int | None = None, *, alignment: str = "bottom_right") -> 
     """
     L = check_int(L, "L", minimum=0)
     S = L if S is None else check_int(S, "S", minimum=0)
+    _check_size(L, S)
     return np.tri(L, S, k=_offset(L, S, alignment), dtype=bool)
 
 
@@ -109,6 +114,7 @@ def sliding_window(
     L = check_int(L, "L", minimum=0)
     S = L if S is None else check_int(S, "S", minimum=0)
     offset = _offset(L, S, alignment)
+    _check_size(L, S)
     keep = np.ones((L, S), dtype=bool)
     if right is not None:
         keep &= np.tri(L, S, k=offset + check_int(right, "right", minimum=0), dtype=bool)

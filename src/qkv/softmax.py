@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import as_array, as_bool_mask, check_broadcast, float_dtype
+from ._checks import as_array, as_bool_mask, check_broadcast, check_int, float_dtype
 
 __all__ = ["softmax", "logsumexp"]
 
@@ -26,6 +26,7 @@ def _prepare(x, axis, where):
     x = x.astype(dtype, copy=False)
     if x.ndim == 0:
         raise ValueError(f"x should have at least 1 dimension, got shape {x.shape}")
+    axis = check_int(axis, "axis")
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis should be in [{-x.ndim}, {x.ndim - 1}] for x of shape {x.shape}, got {axis}")
     if where is not None:

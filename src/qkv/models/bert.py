@@ -15,8 +15,7 @@ and cannot change a real token's result. Attention runs on the padded
 
 from __future__ import annotations
 
-import json
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from ..attention import scaled_dot_product_attention
 from ..heads import merge_heads, split_heads
 from ..layers import MultiHeadAttention
 from .errors import ModelError
+from .files import FieldReader, read_json
 from .functional import ACTIVATIONS, layer_norm
 
 __all__ = ["BertConfig", "BertModel", "BertOutput", "ModelError"]
@@ -49,13 +49,24 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "BertConfig":
+        if not isinstance(d, dict):
+            raise ModelError(f"{source}: should hold a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type", "bert")
         if model_type not in ("bert",):
             raise ModelError(f"{source}: model_type {model_type!r} is not supported (qkv runs 'bert' encoders)")
-        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
-        if missing:
-            raise ModelError(f"{source}: missing {missing}")
-        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        get = FieldReader(d, source)
+        cfg = cls(
+            vocab_size=get("vocab_size", int),
+            hidden_size=get("hidden_size", int),
+            num_hidden_layers=get("num_hidden_layers", int),
+            num_attention_heads=get("num_attention_heads", int),
+            intermediate_size=get("intermediate_size", int),
+            hidden_act=get("hidden_act", str, "gelu"),
+            max_position_embeddings=get("max_position_embeddings", int, 512),
+            type_vocab_size=get("type_vocab_size", int, 2),
+            layer_norm_eps=get("layer_norm_eps", float, 1e-12),
+            position_embedding_type=get("position_embedding_type", str, "absolute"),
+        )
         if cfg.hidden_act not in ACTIVATIONS:
             raise ModelError(f"{source}: hidden_act {cfg.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         if cfg.position_embedding_type != "absolute":
@@ -67,13 +78,7 @@ class BertConfig:
     @classmethod
     def from_file(cls, path) -> "BertConfig":
         path = Path(path)
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ModelError(f"{path}: missing file (a model directory needs config.json)") from None
-        except json.JSONDecodeError as exc:
-            raise ModelError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_json(path), source=str(path))
 
 
 @dataclass
@@ -128,9 +133,11 @@ class BertModel:
         """Build from ``{name: array}`` with Hugging Face BERT names (an optional ``bert.`` prefix is accepted)."""
         prefix = "bert." if "bert.embeddings.word_embeddings.weight" in weights else ""
         E, F = config.hidden_size, config.intermediate_size
+        used = set()
 
         def get(name, shape):
             key = prefix + name
+            used.add(key)
             if key not in weights:
                 raise ModelError(f"{source}: missing tensor {key!r}")
             arr = np.asarray(weights[key])
@@ -173,6 +180,11 @@ class BertModel:
                     ln(p + "output.LayerNorm"),
                 )
             )
+        # Tensors the config does not account for (more layers than num_hidden_layers, say) mean
+        # this is not the model the config describes: refuse rather than run part of it.
+        extra = sorted(k for k in set(weights) - used if k.startswith(prefix + "encoder.layer."))
+        if extra:
+            raise ModelError(f"{source}: tensor {extra[0]!r} is not part of the model config.json describes ({config.num_hidden_layers} layers; {len(extra)} unexpected tensors)")
         return cls(config, embeddings, layers)
 
     def _check(self, input_ids, attention_mask, token_type_ids):

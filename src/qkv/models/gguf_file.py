@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from .errors import ModelError
+from .files import regular_file
 
 __all__ = ["GGUFFile"]
 
@@ -117,19 +117,12 @@ class GGUFFile:
     """
 
     def __init__(self, path):
-        self.path = Path(path)
+        self.path = regular_file(Path(path))
         source = str(self.path)
         try:
-            st = os.stat(self.path)  # follows a link: what matters is what it points to
-        except FileNotFoundError:
-            raise ModelError(f"{source}: missing file") from None
-        except OSError as exc:
-            raise ModelError(f"{source}: cannot read ({exc.strerror or exc})") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise ModelError(f"{source}: not a regular file")
-        try:
             with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b""
+                size = os.fstat(f.fileno()).st_size
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         except PermissionError:
             raise ModelError(f"{source}: permission denied") from None
         except OSError as exc:

@@ -29,6 +29,8 @@ import numpy as np
 from . import masks as _masks
 from ._checks import as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, float_dtype
 from ._parallel import check_workers
+from .dropout import dropout_keep
+from . import flash as _flash
 from .softmax import softmax_
 
 __all__ = [
@@ -37,8 +39,11 @@ __all__ = [
     "merge_attention",
     "memory_estimate",
     "choose_implementation",
-    "dropout_keep",
 ]
+
+
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
 
 
 @dataclass
@@ -151,7 +156,16 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
     user_scores_shape = scores_shape[1:] if unbatched else scores_shape
     if mask is not None:
         mask = as_bool_mask(mask, "mask")
-        check_broadcast(mask, user_scores_shape, "mask", "scores")
+        try:
+            check_broadcast(mask, user_scores_shape, "mask", "scores")
+        except ValueError as exc:
+            if mask.ndim == 2 and len(user_scores_shape) == 4 and mask.shape == (user_scores_shape[0], user_scores_shape[-1]):
+                raise ValueError(
+                    f"{exc}: a (B, S) key-padding mask needs its head and query axes, mask[:, None, None, :] "
+                    "(True = may attend); qkv.masks.padding(lengths, S) builds one, and "
+                    "qkv.masks.from_torch(m, kind='key_padding_mask') converts PyTorch's (True = padding)"
+                ) from None
+            raise
     if bias is not None:
         bias = as_array(bias, "bias")
         if bias.dtype == np.bool_:
@@ -200,32 +214,6 @@ def _need_rng(rng):
 def _dropout_key(rng) -> np.uint64:
     """One 64-bit key from ``rng`` (an int seed or a Generator): the whole call's dropout pattern."""
     return as_rng(rng).integers(0, 2**64, dtype=np.uint64)
-
-
-def dropout_keep(key, index: np.ndarray, dropout_p: float) -> np.ndarray:
-    """Whether each weight is kept: a hash of (key, its flat index in (..., Hq, L, S)), >= p.
-
-    A counter-based draw (SplitMix64's mixing function), so that any block of
-    the weights gets its pattern without drawing the others: the direct and
-    the tiled path drop exactly the same weights.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from qkv.attention import dropout_keep
-    >>> keep = dropout_keep(np.uint64(7), np.arange(10_000), 0.2)
-    >>> round(float(keep.mean()), 2)
-    0.8
-    """
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps around, as the hash intends
-        z = index.astype(np.uint64) + np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)  # uniform in [0, 1)
-    return u >= dropout_p
 
 
 def _dropout(weights: np.ndarray, p: _Problem, dropout_p: float, rng) -> np.ndarray:
@@ -377,10 +365,8 @@ def scaled_dot_product_attention(
     if impl == "direct":
         _check_direct_fits(p, dropout_p > 0)
     if impl == "tiled":
-        from .flash import tiled_attention
-
         key_ = None if dropout_p == 0.0 else _dropout_key(_need_rng(rng))
-        out, lse = tiled_attention(p, dropout_p=dropout_p, dropout_key=key_, workers=workers)
+        out, lse = _flash.tiled_attention(p, dropout_p=dropout_p, dropout_key=key_, workers=workers)
         extra = [_finish(lse[..., None], p, 1, keep_dtype=True)[..., 0]] if return_lse else []
         out = _finish(out, p, p.out_shape[-1])
         return (out, *extra) if extra else out
@@ -457,11 +443,9 @@ def _estimate(batch, Hq, Hk, L, S, D, Dv, itemsize, implementation, *, masked, d
         extra += n_scores * 24 if dropout else 0  # flat indices, hash, keep mask
         extra += n_batch * Hq * L * (D * itemsize + 16)  # scaled queries, row max and sum
         return int(extra + cast)
-    from .flash import BLOCK_K, BLOCK_Q
-
     G = max(1, Hq // max(Hk, 1))
-    rows = G * min(max(1, BLOCK_Q // G), L)
-    cols = min(BLOCK_K, S)
+    rows = G * min(max(1, _flash.BLOCK_Q // G), L)
+    cols = min(_flash.BLOCK_K, S)
     kx = n_batch * Hk * S * (D + 1) * itemsize  # keys with a column of ones
     per_worker = rows * cols * (itemsize + (1 if masked else 0) + (24 if dropout else 0)) + rows * (D + 1 + 2 * Dv) * itemsize + rows * 64
     workers = 1 if workers is None else workers

@@ -31,6 +31,10 @@ from ._checks import as_array, check_int
 __all__ = ["KVCache", "LayerCache"]
 
 
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
+
 class LayerCache:
     """One layer's cached keys and values, ``(..., Hk, S, D)`` and ``(..., Hk, S, Dv)``.
 

@@ -370,6 +370,9 @@ def _draw_attention(args, plots, out_dir, att, tokens, name, layer_notes, keep=N
 # ------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkv", description="qkv: attention from scratch, done right.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -50,8 +50,13 @@ from __future__ import annotations
 import numpy as np
 
 from ._parallel import check_workers, interrupted, run_all, scratch
+from .dropout import dropout_keep
 
 __all__ = ["tiled_attention", "BLOCK_Q", "BLOCK_K", "TAU"]
+
+
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
 
 BLOCK_Q = 384  #: score rows per work item: query rows times the query heads sharing a key/value head
 BLOCK_K = 768  #: keys per step (a 384 x 768 float32 block is about one core's L2 cache)
@@ -97,8 +102,6 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     out : ndarray, (..., Hk, G, L, Dv) in the compute dtype
     lse : ndarray, (..., Hk, G, L), natural log-sum-exp of each row's scores
     """
-    from .attention import dropout_keep
-
     workers = check_workers(workers)
     q, k, v = p.q, p.k, p.v  # (..., Hk, G, L, D), (..., Hk, 1, S, D), (..., Hk, 1, S, Dv)
     dt = q.dtype

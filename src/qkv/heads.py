@@ -15,6 +15,10 @@ from ._checks import as_array, check_int
 __all__ = ["split_heads", "merge_heads"]
 
 
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
+
 def split_heads(x, num_heads: int) -> np.ndarray:
     """``(..., L, E) -> (..., H, L, D)`` with ``D = E // H``.
 

@@ -23,6 +23,10 @@ from .heads import merge_heads, split_heads
 
 __all__ = ["MultiHeadAttention", "AttentionTrace"]
 
+
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
 _PARAMS = ("w_query", "w_key", "w_value", "w_out", "b_query", "b_key", "b_value", "b_out")
 
 
@@ -418,6 +422,35 @@ class MultiHeadAttention:
         if self.use_bias:
             sd["out_proj.bias"] = self.b_out
         return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+    @classmethod
+    def from_torch_state_dict(cls, state_dict, num_heads: int, *, dtype=np.float32) -> "MultiHeadAttention":
+        """A new layer with the sizes and parameters of a ``torch.nn.MultiheadAttention`` state dict.
+
+        The embedding dim, ``kdim``/``vdim`` and whether there are biases are
+        read from the tensors; ``num_heads`` is not in a state dict, so it is
+        given. ``nn.MultiheadAttention`` itself works too:
+        ``MultiHeadAttention.from_torch_state_dict(layer.state_dict(), layer.num_heads)``.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from qkv import MultiHeadAttention
+        >>> a = MultiHeadAttention(8, 2, rng=1)
+        >>> b = MultiHeadAttention.from_torch_state_dict(a.torch_state_dict(), num_heads=2)
+        >>> b, bool(np.array_equal(a.w_value, b.w_value))
+        (MultiHeadAttention(embed_dim=8, num_heads=2, head_dim=4), True)
+        """
+        sd = dict(state_dict)
+        if "out_proj.weight" not in sd:
+            raise ValueError(f"state_dict should be a torch.nn.MultiheadAttention state dict (with 'out_proj.weight'), got keys {sorted(sd)[:6]}")
+        E = as_array(sd["out_proj.weight"], "state_dict['out_proj.weight']").shape[0]
+        kdim = vdim = None
+        if "in_proj_weight" not in sd and "k_proj_weight" in sd:
+            kdim = as_array(sd["k_proj_weight"], "state_dict['k_proj_weight']").shape[1]
+            vdim = as_array(sd["v_proj_weight"], "state_dict['v_proj_weight']").shape[1]
+        layer = cls(E, num_heads, kdim=kdim, vdim=vdim, use_bias="in_proj_bias" in sd, dtype=dtype, rng=0)
+        return layer.load_torch_state_dict(sd)
 
     def load_torch_state_dict(self, state_dict) -> "MultiHeadAttention":
         """Load parameters from a ``torch.nn.MultiheadAttention`` state dict (tensors or arrays).

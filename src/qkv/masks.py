@@ -21,6 +21,10 @@ from ._checks import as_array, as_bool_mask, check_fits, check_int
 
 __all__ = ["causal", "padding", "sliding_window", "combine", "from_torch"]
 
+
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
 _ALIGNMENTS = ("bottom_right", "top_left")
 
 

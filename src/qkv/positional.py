@@ -20,6 +20,10 @@ from ._checks import check_int
 __all__ = ["sinusoidal_position_encoding"]
 
 
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
+
 def sinusoidal_position_encoding(seq_len: int, dim: int, *, base: float = 10000.0) -> np.ndarray:
     """The ``(seq_len, dim)`` table of sinusoidal position encodings.
 

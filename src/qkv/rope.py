@@ -29,6 +29,10 @@ from ._checks import as_array, check_int
 
 __all__ = ["rope_frequencies", "rope_angles", "apply_rope"]
 
+
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
 _STYLES = ("rotate_half", "interleaved")
 
 

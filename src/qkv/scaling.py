@@ -18,6 +18,10 @@ from .softmax import softmax
 __all__ = ["score_statistics"]
 
 
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
+
 def score_statistics(dims, *, num_keys: int = 16, samples: int = 2000, rng) -> dict[str, np.ndarray]:
     """Measure unscaled vs scaled score variance and softmax peakedness as D grows.
 

@@ -20,6 +20,10 @@ from ._checks import as_array, as_bool_mask, check_broadcast, check_int, float_d
 __all__ = ["softmax", "logsumexp"]
 
 
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
+
 def _prepare(x, axis, where):
     x = as_array(x, "x")
     dtype = float_dtype(x)

@@ -20,6 +20,10 @@ from ._checks import as_array, as_rng, check_int
 
 __all__ = ["tokenize", "Vocabulary", "Embedding", "PAD", "UNK"]
 
+
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
 PAD = "<pad>"
 UNK = "<unk>"
 
@@ -208,8 +212,10 @@ class Embedding:
         V, the number of rows.
     dim : int
         E, the vector size.
-    rng : int or numpy.random.Generator
+    rng : int or numpy.random.Generator, default 0
         The table is drawn once from ``rng`` (standard normal, float32).
+        As everywhere in qkv, the default is the seed 0: the same table on
+        every run unless another seed or Generator is given.
 
     Examples
     --------
@@ -221,7 +227,7 @@ class Embedding:
     True
     """
 
-    def __init__(self, vocab_size: int, dim: int, *, rng, dtype=np.float32):
+    def __init__(self, vocab_size: int, dim: int, *, rng=0, dtype=np.float32):
         vocab_size = check_int(vocab_size, "vocab_size", minimum=1)
         dim = check_int(dim, "dim", minimum=1)
         self.table = as_rng(rng).standard_normal((vocab_size, dim)).astype(dtype)

@@ -34,6 +34,10 @@ __all__ = [
     "save",
 ]
 
+
+def __dir__():  # what dir() and tab completion list: the API, not the imports
+    return sorted(__all__)
+
 _MASKED_COLOR = "#d9d9d9"
 
 

@@ -315,12 +315,13 @@ class CausalLM:
         for i, layer in enumerate(self.layers):
             a = _norm(cfg, h, layer.attn_norm)
             qkv = _linear(a, layer.w_qkv, layer.b_qkv)  # (B, L, (Hq + 2 Hk) D)
-            q = qkv[..., : Hq * D].reshape(B, L, Hq, D).swapaxes(1, 2)  # (B, Hq, L, D)
-            k = qkv[..., Hq * D : (Hq + Hk) * D].reshape(B, L, Hk, D).swapaxes(1, 2)  # (B, Hk, L, D)
+            q = qkv[..., : Hq * D].reshape(B, L, Hq, D)  # (B, L, Hq, D)
+            k = qkv[..., Hq * D : (Hq + Hk) * D].reshape(B, L, Hk, D)  # (B, L, Hk, D)
             v = qkv[..., (Hq + Hk) * D :].reshape(B, L, Hk, D).swapaxes(1, 2)  # (B, Hk, L, D)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None:  # per head, before the swap: each head's D values are contiguous
                 q = rms_norm(q, layer.q_norm, cfg.norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.norm_eps)
+            q, k = q.swapaxes(1, 2), k.swapaxes(1, 2)  # (B, Hq, L, D), (B, Hk, L, D)
             if cfg.rope:
                 base = cfg.rope_bases[i]
                 if base not in angles:

@@ -91,18 +91,23 @@ def _gelu_erf_(x: np.ndarray, work: list) -> np.ndarray:
 
 
 def _gelu_tanh_(x: np.ndarray, work: list) -> np.ndarray:
-    """Tanh-approximate GELU in place, with one scratch array shaped like ``x``."""
+    """Tanh-approximate GELU in place, with one scratch array shaped like ``x``.
+
+    ``0.5 (1 + tanh(z)) = 1 / (1 + exp(-2 z))``, so
+    ``gelu(x) = x / (1 + exp(-2 z))`` with ``z = sqrt(2/pi) (x + 0.044715 x^3)``:
+    seven passes, one ``exp`` instead of a ``tanh`` (about twice as fast).
+    """
     y = work[0]
     dt = x.dtype.type
+    c = math.sqrt(2 / math.pi)
     np.multiply(x, x, out=y)
-    y *= dt(0.044715)
+    y *= dt(-2 * c * 0.044715)
+    y -= dt(2 * c)
+    y *= x  # -2 z
+    with np.errstate(over="ignore"):  # x << 0: exp = inf and x / inf = -0, the right limit
+        np.exp(y, out=y)
     y += 1
-    y *= x
-    y *= dt(math.sqrt(2 / math.pi))
-    np.tanh(y, out=y)
-    y += 1
-    y *= dt(0.5)
-    x *= y
+    x /= y
     return x
 
 

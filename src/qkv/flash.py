@@ -215,6 +215,9 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             row_lse = np.where(seen, np.log(np.where(seen, total, 1)) + shift, -np.inf)
         lse[bidx + (hk, slice(None), slice(i0, i1))] = row_lse.reshape(G, n)
 
-    tasks = [lambda b=b, h=h, i=i: work(b, h, i) for b in np.ndindex(*batch) for h in range(Hk) for i in range(0, L, bq)]
+    # Heaviest first (most visible keys): under a causal mask the last query blocks see the most
+    # keys, and started last they would leave a worker idle at the end (longest-job-first).
+    starts = sorted(range(0, L, bq), key=lambda i: -np.subtract(*_visible_range(i, min(i + bq, L), offset, window, S)[::-1]))
+    tasks = [lambda b=b, h=h, i=i: work(b, h, i) for b in np.ndindex(*batch) for h in range(Hk) for i in starts]
     run_all(tasks, workers)
     return out, lse

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import as_array, as_rng, check_int
+from ._checks import as_array, as_rng, check_fits, check_int
 from .attention import scaled_dot_product_attention
 from .heads import merge_heads, split_heads
 
@@ -77,6 +77,12 @@ def _uniform(gen: np.random.Generator, bound: float, shape, dtype) -> np.ndarray
 
 class MultiHeadAttention:
     """Multi-head attention with query/key/value/output projections.
+
+    **Batch first**: inputs are ``(B, L, E)`` (or unbatched ``(L, E)``), as
+    ``torch.nn.MultiheadAttention(batch_first=True)``. PyTorch's default is
+    sequence first, ``(L, B, E)``: such input must be transposed
+    (``x.swapaxes(0, 1)``), or it is read as ``L`` batches of ``B`` tokens;
+    where query, key and value then disagree on B, the error says so.
 
     Parameters
     ----------
@@ -149,6 +155,8 @@ class MultiHeadAttention:
 
         gen = as_rng(0 if rng is None else rng, "rng")
         E, Dh, Hk = self.embed_dim, self.head_dim, self.num_kv_heads
+        n_params = E * E * 2 + (self.kdim + self.vdim) * Hk * Dh + 4 * E
+        check_fits(n_params * self.dtype.itemsize * 2, f"a MultiHeadAttention of embed_dim {E}", "choose a smaller embed_dim")
         # With kdim == vdim == embed_dim the three input projections live side by side in one
         # (E, (H + 2 Hk) D) matrix, so self-attention projects with a single matmul;
         # w_query, w_key and w_value are views into it (see the properties below).
@@ -264,7 +272,11 @@ class MultiHeadAttention:
         if not q_in.ndim == k_in.ndim == v_in.ndim:
             raise ValueError(f"query, key and value should all be batched or all unbatched, got {q_in.shape}, {k_in.shape}, {v_in.shape}")
         if q_in.ndim == 3 and not q_in.shape[0] == k_in.shape[0] == v_in.shape[0]:
-            raise ValueError(f"query, key and value batch sizes should match, got {q_in.shape}, {k_in.shape}, {v_in.shape}")
+            raise ValueError(
+                f"query, key and value batch sizes should match, got {q_in.shape}, {k_in.shape}, {v_in.shape}; "
+                "qkv's layers are batch first, (B, L, E): sequence-first (L, B, E) input, PyTorch's default, "
+                "needs x.swapaxes(0, 1)"
+            )
         if k_in.shape[-2] != v_in.shape[-2]:
             raise ValueError(f"key and value lengths (S) should match, got key {k_in.shape} and value {v_in.shape}")
         return q_in, k_in, v_in

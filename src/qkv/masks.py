@@ -192,7 +192,7 @@ def combine(*masks) -> np.ndarray | None:
     return out
 
 
-def from_torch(mask, *, kind: str = "attn_mask", num_heads: int | None = None) -> np.ndarray:
+def from_torch(mask=None, *, kind: str = "attn_mask", num_heads: int | None = None, key_padding_mask=None) -> np.ndarray:
     """Convert a PyTorch ``nn.MultiheadAttention`` mask into a qkv keep-mask.
 
     PyTorch's boolean masks mean ``True`` = *blocked*; its float masks are
@@ -209,6 +209,9 @@ def from_torch(mask, *, kind: str = "attn_mask", num_heads: int | None = None) -
     kind : {"attn_mask", "key_padding_mask"}
     num_heads : int, optional
         Needed to unflatten a 3-D ``attn_mask``.
+    key_padding_mask : array_like, shape (B, S), optional
+        The same as ``from_torch(key_padding_mask, kind="key_padding_mask")``,
+        named as ``nn.MultiheadAttention`` names it.
 
     Returns
     -------
@@ -228,7 +231,15 @@ def from_torch(mask, *, kind: str = "attn_mask", num_heads: int | None = None) -
     array([[1, 0]])
     >>> masks.from_torch(np.array([[True, False]]), kind="key_padding_mask").shape
     (1, 1, 1, 2)
+    >>> masks.from_torch(key_padding_mask=np.array([[False, True]])).astype(int)
+    array([[[[1, 0]]]])
     """
+    if key_padding_mask is not None:
+        if mask is not None:
+            raise ValueError("pass either mask or key_padding_mask, not both (convert them separately and combine)")
+        mask, kind = key_padding_mask, "key_padding_mask"
+    if mask is None:
+        raise TypeError("from_torch needs a mask (or key_padding_mask=)")
     arr = as_array(mask, "mask")
     if arr.dtype == np.bool_:
         keep = ~arr

@@ -9,6 +9,10 @@ notebook, display the returned figure.
 from __future__ import annotations
 
 import math
+import contextlib
+import os
+import textwrap
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -56,8 +60,52 @@ def save(fig: Figure, path, *, dpi: int = 120) -> Path:
     if path.suffix.lower() not in (".png", ".svg"):
         raise ValueError(f"path should end in .png or .svg, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    # Through a temporary file, renamed over the destination: a symbolic link there is replaced,
+    # never written through onto its target, and no reader sees half a picture.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with _fonts_for(fig):
+            fig.savefig(tmp, dpi=dpi, format=path.suffix.lower()[1:])
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return path
+
+
+#: Fonts tried after matplotlib's default for characters it lacks (CJK, Arabic, Hebrew, ...).
+FALLBACK_FONTS = ("Noto Sans CJK JP", "Noto Sans CJK SC", "Noto Sans", "Noto Sans Arabic", "Noto Sans Hebrew", "Droid Sans Fallback", "WenQuanYi Zen Hei", "Unifont")
+_warned_glyphs = False
+
+
+@contextlib.contextmanager
+def _fonts_for(fig: Figure):
+    """Draw with font fallback where the system has fonts for it; at most one warning for missing glyphs.
+
+    Matplotlib warns once per missing character ("Glyph ... missing from
+    font(s)"): a text in Chinese gives dozens. Those are gathered into one
+    warning that says what to install.
+    """
+    global _warned_glyphs
+    from matplotlib import font_manager
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    families = [matplotlib.rcParams["font.sans-serif"][0], *[f for f in FALLBACK_FONTS if f in installed]]
+    with warnings.catch_warnings(record=True) as caught, matplotlib.rc_context({"font.family": "sans-serif", "font.sans-serif": families}):
+        warnings.simplefilter("always")
+        yield
+    missing = [w for w in caught if "Glyph" in str(w.message) and "missing" in str(w.message)]
+    for w in caught:
+        if w not in missing:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if missing and not _warned_glyphs:
+        _warned_glyphs = True
+        warnings.warn(
+            f"{len(missing)} characters have no glyph in the installed fonts and are drawn as boxes; "
+            "install a font that has them (e.g. Debian's fonts-noto-cjk) and qkv.viz uses it",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _finish(fig: Figure, path):
@@ -150,7 +198,10 @@ def plot_attention(
     nrows = math.ceil(H / ncols)
     annotate = (L <= 12 and S <= 12) if annotate is None else annotate
     hatch = L * S <= 2500
-    cell = min(0.42, 4.5 / max(L, S, 1))  # inches per cell: panels stay under ~5 inches
+    # Inches per cell: short texts get readable cells; longer ones get larger panels (up to 12
+    # inches), so the figure grows with the text while tick labels stay at most MAX_TICKS an axis.
+    n = max(L, S, 1)
+    cell = min(0.42, max(4.5, min(12.0, 0.05 * n)) / n)
     fig = Figure(figsize=(ncols * (S * cell + 1.4) + 1.0, nrows * (L * cell + 1.4) + 0.6), layout="constrained")
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
     if scale not in ("linear", "log"):
@@ -297,15 +348,46 @@ def plot_embedding_shift(
     at: dict[tuple, list[str]] = {}
     for i, t in enumerate(labels):
         at.setdefault(tuple(np.round(o2[i], 6)), []).append(t)
-        ax.annotate(t, c2[i], xytext=(4, -10), textcoords="offset points", color="#d62728", fontsize=9)
-    for xy, names in at.items():
-        ax.annotate(", ".join(dict.fromkeys(names)), xy, xytext=(4, 4), textcoords="offset points", color="#1f77b4", fontsize=9)
+    texts = [(c2[i], t, "#d62728") for i, t in enumerate(labels)]
+    texts += [(np.array(xy), ", ".join(dict.fromkeys(names)), "#1f77b4") for xy, names in at.items()]
+    for (xy, t, color), offset in zip(texts, _label_offsets(fig, ax, np.array([p for p, _, _ in texts]), [t for _, t, _ in texts])):
+        ax.annotate(t, xy, xytext=offset, textcoords="offset points", color=color, fontsize=9,
+                    arrowprops=dict(arrowstyle="-", color=color, lw=0.5, alpha=0.5) if np.hypot(*offset) > 14 else None)
     ax.set_xlabel("principal component 1")
     ax.set_ylabel("principal component 2")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=9)
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 80))  # a long title wraps instead of running off the figure
     return _finish(fig, path)
+
+
+def _label_offsets(fig: Figure, ax, points: np.ndarray, texts: list[str], fontsize: float = 9) -> list[tuple]:
+    """Offsets (in points) that keep labels from overlapping each other: a greedy search, label by label.
+
+    Each label tries positions around its point, nearest first, and takes
+    the first whose box (estimated from the text length) overlaps no label
+    placed before it; a leader line joins a label moved far from its point.
+    """
+    ax.set_xlim(ax.get_xlim())  # fix the view so data -> points is known
+    ax.set_ylim(ax.get_ylim())
+    fig.draw_without_rendering()  # the constrained layout places the axes
+    to_pts = ax.transData.transform(points) * 72.0 / fig.dpi  # (N, 2) in points
+    candidates = [(4, 4), (4, -12), (-4, 4), (-4, -12)] + [(r * np.cos(a), r * np.sin(a)) for r in (18, 30, 44, 60) for a in np.linspace(0, 2 * np.pi, 12, endpoint=False)]
+    placed, out = [], []
+    for (x, y), t in zip(to_pts, texts):
+        w, h = 0.6 * fontsize * max(1, len(t)), 1.2 * fontsize
+        choice = candidates[0]
+        for dx, dy in candidates:
+            x0 = x + dx - (w if dx < 0 else 0)
+            box = (x0, y + dy, x0 + w, y + dy + h)
+            if all(box[2] <= b[0] or box[0] >= b[2] or box[3] <= b[1] or box[1] >= b[3] for b in placed):
+                choice = (dx, dy)
+                break
+        dx, dy = choice
+        x0 = x + dx - (w if dx < 0 else 0)
+        placed.append((x0, y + dy, x0 + w, y + dy + h))
+        out.append((dx - (w if dx < 0 else 0), dy))
+    return out
 
 
 def plot_score_variance(stats: dict, *, title: str = "Why scale the scores by 1/sqrt(D)", path=None) -> Figure:

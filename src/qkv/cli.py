@@ -162,7 +162,7 @@ def _demo(args) -> dict:
 
         mode = "causal" if args.causal else "bidirectional"
         figures = {
-            "attention.png": plots.plot_attention(weights, tokens, mask=keep, title=f"{mode} self-attention weights per head (seed {args.seed})"),
+            "attention.png": plots.plot_attention(weights, tokens, mask=keep, title=f"{mode} self-attention weights per head (seed {args.seed})", scale="log" if L > 50 else "linear"),
             "position_encoding.png": plots.plot_position_encoding(sinusoidal_position_encoding(max(64, len(ids)), args.dim)),
             "embeddings_pca.png": plots.plot_embedding_shift(x, after, tokens, title=f"Embeddings before and after {mode} attention (input + attention output; random weights)"),
             "score_variance.png": plots.plot_score_variance(score_statistics([2, 4, 8, 16, 32, 64, 128, 256, 512], rng=args.seed)),

@@ -350,6 +350,13 @@ def plot_embedding_shift(
         at.setdefault(tuple(np.round(o2[i], 6)), []).append(t)
     texts = [(c2[i], t, "#d62728") for i, t in enumerate(labels)]
     texts += [(np.array(xy), ", ".join(dict.fromkeys(names)), "#1f77b4") for xy, names in at.items()]
+    if len(labels) > MAX_TICKS:  # too many to read: the first place of each distinct word, at most MAX_TICKS
+        first = {}
+        for i, t in enumerate(labels):
+            first.setdefault(t, i)
+        keep = sorted(first.values())[: MAX_TICKS // 2]
+        texts = [(c2[i], labels[i], "#d62728") for i in keep] + [(o2[i], labels[i], "#1f77b4") for i in keep]
+        ax.text(0.99, 0.01, f"labelled: the first place of {len(keep)} of the {len(labels)} tokens", transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="#555555")
     for (xy, t, color), offset in zip(texts, _label_offsets(fig, ax, np.array([p for p, _, _ in texts]), [t for _, t, _ in texts])):
         ax.annotate(t, xy, xytext=offset, textcoords="offset points", color=color, fontsize=9,
                     arrowprops=dict(arrowstyle="-", color=color, lw=0.5, alpha=0.5) if np.hypot(*offset) > 14 else None)

@@ -183,11 +183,11 @@ def test_generate_json_and_seeded_sampling(lm):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--top-p", "0"], r"--top-p should be in \(0, 1\], got 0.0"),
+        (["--top-p", "0", "--temperature", "1"], r"--top-p should be in \(0, 1\], got 0.0"),
         (["--temperature", "-1"], "--temperature should be a finite number >= 0"),
         (["--max-new-tokens", "-2"], "--max-new-tokens should be >= 0, got -2"),
-        (["--top-k", "0"], "--top-k should be >= 1, got 0"),
-        (["--seed", "-1"], "--seed should be >= 0, got -1"),
+        (["--top-k", "0", "--temperature", "1"], "--top-k should be >= 1, got 0"),
+        (["--seed", "-1", "--temperature", "1"], "--seed should be >= 0, got -1"),
         (["--model", "/no/such/model.gguf"], "--model '/no/such/model.gguf' is neither 'gemma3-270m' nor an existing path"),
         ([""], "PROMPT is empty"),
     ],
@@ -223,11 +223,26 @@ def test_model_takes_a_value_and_a_sentence_is_not_a_model(tmp_path):
     assert r.returncode == 2 and "expected one argument" in r.stderr
 
 
-@pytest.mark.parametrize("option", [["--heads", "8"], ["--causal"], ["--seed", "3"], ["--dim", "16"]])
+@pytest.mark.parametrize("option", [["--heads", "8"], ["--causal"], ["--seed", "3"], ["--dim", "16"], ["--full"]])
 def test_options_a_mode_ignores_are_refused(option):
     r = run("demo", "--model", "minilm", *option, "--no-plots")
     assert r.returncode == 2
     assert f"{option[0]} has no effect with --model" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["demo", "--no-plots", "--out", "x"], "--out has no effect with --no-plots"),
+        (["demo", "--full", "--format", "json", "--no-plots"], "--full has no effect with --format json"),
+        (["generate", "--top-k", "5"], "--top-k has no effect with --temperature 0"),
+        (["generate", "--top-p", "0.9"], "--top-p has no effect with --temperature 0"),
+        (["generate", "--seed", "1"], "--seed has no effect with --temperature 0"),
+    ],
+)
+def test_other_ignored_options_are_refused(args, match):
+    r = run(*args)
+    assert r.returncode == 2 and match in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(

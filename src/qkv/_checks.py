@@ -7,6 +7,7 @@ traceback from deep inside NumPy.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -87,13 +88,18 @@ def check_real(value, name: str, *, finite: bool = True, minimum: float | None =
     return value
 
 
+@functools.lru_cache(maxsize=1)
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
+
+
 def check_fits(nbytes: int, what: str, hint: str) -> None:
     """A ``MemoryError`` before allocating more than this machine's memory, saying how much and what to do."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
-        return
-    if nbytes > total:
+    total = _physical_memory()
+    if total is not None and nbytes > total:
         raise MemoryError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than this machine's {total / 2**30:.1f} GiB of memory; {hint}")
 
 

@@ -69,6 +69,11 @@ class _Problem:
             return None
         L, S = self.scores_shape[-2:]
         left, right = self.window
+        offset = S - L
+        # No mask at all when the window hides nothing: the first query already sees the last key,
+        # and the last query the first key (decoding one token against a sliding cache, say).
+        if (right is None or offset + right >= S - 1) and (left is None or L - 1 + offset - left <= 0):
+            return None
         return _masks.sliding_window(L, S, left=left, right=right)
 
     def full_mask(self) -> np.ndarray | None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._files import write_atomic
+
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 
 
@@ -80,22 +82,6 @@ def _summary(weights: np.ndarray, tokens: list[str], top: int = 8) -> str:
     flat = np.argsort(weights, axis=None)[::-1][:top]
     rows = [f"  {i:>4} {_fit(tokens[i], 14):<15} -> {j:>4} {_fit(tokens[j], 14):<15} {weights[i, j]:.2f}" for i, j in (divmod(int(f), weights.shape[1]) for f in flat)]
     return f"  strongest {min(top, weights.size)} of {L} x {weights.shape[1]} weights (query -> key, weight):\n" + "\n".join(rows)
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, then rename over ``path``.
-
-    The rename replaces a symbolic link at ``path`` instead of writing
-    through it onto its target, and a reader never sees half a file.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _plots_module():
@@ -210,13 +196,19 @@ TOY_OPTIONS = {"heads": 4, "dim": 32, "causal": False, "seed": 0}
 
 def cmd_demo(args) -> int:
     given = [name for name in TOY_OPTIONS if getattr(args, name) not in (None, False)]
+    if args.no_plots and args.out is not None:
+        raise CLIError("--out has no effect with --no-plots (no pictures are written)")
+    args.out = "qkv-demo" if args.out is None else args.out
     if args.model is not None:
         if given:
             raise CLIError(f"--{given[0]} has no effect with --model: a real model has its own heads, size and weights")
+        if args.full:
+            raise CLIError("--full has no effect with --model (it prints the toy demo's tables)")
         return _demo_model(args)
     for name, default in TOY_OPTIONS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+
     if args.full and args.format == "json":
         raise CLIError("--full has no effect with --format json (JSON always has every weight)")
     result = _demo(args)
@@ -251,11 +243,13 @@ def _model_path(model_arg, default_name):
     return model_arg
 
 
-def _load(model_arg):
-    from .models import load_model
+def _load(model_arg, kind: str = "encoder"):
+    """The model --model names: an encoder (``qkv.models.load_model``) or a causal LM."""
+    from .models import load_causal_lm, load_model
 
+    loader, default = (load_model, ENCODER_NAME) if kind == "encoder" else (load_causal_lm, DECODER_NAME)
     try:
-        return load_model(_model_path(model_arg, ENCODER_NAME))
+        return loader(_model_path(model_arg, default))
     except ImportError as exc:
         raise CLIError(f"{exc}") from None
 
@@ -324,7 +318,7 @@ def cmd_embed(args) -> int:
     if args.output:
         path = Path(args.output)
         try:
-            _write_atomic(path, lambda f: np.save(f, vectors))
+            write_atomic(path, lambda f: np.save(f, vectors))
         except OSError as exc:
             raise CLIError(f"cannot write --output {str(path)!r}: {exc.strerror or exc}") from None
     if args.json:
@@ -359,15 +353,6 @@ def _is_causal_lm(model_arg) -> bool:
     return False
 
 
-def _load_lm(model_arg):
-    from .models import load_causal_lm
-
-    try:
-        return load_causal_lm(_model_path(model_arg, DECODER_NAME))
-    except ImportError as exc:
-        raise CLIError(f"{exc}") from None
-
-
 DEFAULT_PROMPT = "The capital of France is"
 
 
@@ -388,6 +373,12 @@ class _Stream:
 
 
 def cmd_generate(args) -> int:
+    if args.temperature == 0:  # greedy: the sampling options would be ignored
+        for name in ("top_k", "top_p", "seed"):
+            if getattr(args, name) is not None:
+                raise CLIError(f"--{name.replace('_', '-')} has no effect with --temperature 0 (greedy decoding); give --temperature > 0 to sample")
+    elif args.seed is None:
+        args.seed = 0
     for name in ("max_new_tokens", "top_k", "seed"):
         v = getattr(args, name)
         if v is not None and v < (1 if name == "top_k" else 0):
@@ -397,7 +388,7 @@ def cmd_generate(args) -> int:
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise CLIError(f"--top-p should be in (0, 1], got {args.top_p}")
     prompt = DEFAULT_PROMPT if args.prompt is None else _text(args.prompt, "PROMPT")
-    lm = _load_lm(args.model)
+    lm = _load(args.model, "decoder")
     stream = None if args.json else _Stream(lm.tokenizer)
     if stream is not None:
         sys.stdout.write(prompt)
@@ -415,7 +406,7 @@ def cmd_generate(args) -> int:
 
 
 def _attention_lm(args, plots, out_dir) -> int:
-    lm = _load_lm(args.model)
+    lm = _load(args.model, "decoder")
     cfg = lm.config
     n_layers, n_heads = cfg.num_layers, cfg.num_heads
     if args.layer is not None and not 0 <= args.layer < n_layers:
@@ -502,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, help="seed of the embedding table and the layer's weights (default 0)")
     demo.add_argument("--full", action="store_true", help=f"print every weight table, also past {MAX_TABLE_TOKENS} tokens")
     demo.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
-    demo.add_argument("--out", default="qkv-demo", help="folder for the pictures (default ./qkv-demo/)")
+    demo.add_argument("--out", help="folder for the pictures (default ./qkv-demo/)")
     demo.add_argument("--no-plots", action="store_true", help="write no pictures (no matplotlib needed)")
     demo.add_argument(
         "--model", metavar="NAME_OR_DIR",
@@ -538,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0, sample")
     gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
     gen.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability P (0 < P <= 1)")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0): the same seed gives the same text")
+    gen.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")
     gen.add_argument("--json", action="store_true", help="print JSON: prompt, text, token ids, timings (no streaming)")
     gen.set_defaults(func=cmd_generate)
     return parser

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import contextlib
-import os
 import textwrap
 import warnings
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from ._checks import as_array
+from ._files import write_atomic
 
 try:
     import matplotlib
@@ -60,16 +60,8 @@ def save(fig: Figure, path, *, dpi: int = 120) -> Path:
     if path.suffix.lower() not in (".png", ".svg"):
         raise ValueError(f"path should end in .png or .svg, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Through a temporary file, renamed over the destination: a symbolic link there is replaced,
-    # never written through onto its target, and no reader sees half a picture.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with _fonts_for(fig):
-            fig.savefig(tmp, dpi=dpi, format=path.suffix.lower()[1:])
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with _fonts_for(fig):  # through a temporary file: a symbolic link at path is replaced, not written through
+        write_atomic(path, lambda f: fig.savefig(f, dpi=dpi, format=path.suffix.lower()[1:]))
     return path
 
 

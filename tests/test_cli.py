@@ -322,3 +322,9 @@ def test_ctrl_c_is_one_line_and_exit_130():
         err = p.stderr.read()
     assert rc == 130
     assert err.strip().splitlines()[-1] == "qkv: interrupted" and "Traceback" not in err
+
+
+def test_a_text_too_long_for_memory_is_one_line():
+    r = run("demo", " ".join(["word"] * 20_000), "--no-plots")  # an argument of at most 128 KiB (Linux)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("qkv: error: the demo's per-head 20000 x 20000 tables needs") and "use a shorter TEXT" in r.stderr

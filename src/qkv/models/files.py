@@ -22,8 +22,11 @@ __all__ = ["regular_file", "read_json", "FieldReader", "MAX_JSON_BYTES"]
 MAX_JSON_BYTES = 64 << 20  #: config and tokenizer JSON larger than this is not a model's
 
 
-def regular_file(path: Path, what: str = "") -> Path:
-    """``path`` if it is a readable regular file (a link to one is fine), else a :class:`ModelError`."""
+def regular_file(path: Path, what: str = "", *, max_bytes: int | None = None) -> Path:
+    """``path`` if it is a readable regular file (a link to one is fine), else a :class:`ModelError`.
+
+    With ``max_bytes``, a larger file is an error too (a JSON file of a model is never gigabytes).
+    """
     hint = f" ({what})" if what else ""
     try:
         st = os.stat(path)
@@ -37,14 +40,14 @@ def regular_file(path: Path, what: str = "") -> Path:
         raise ModelError(f"{path}: not a regular file{hint}")
     if not os.access(path, os.R_OK):
         raise ModelError(f"{path}: permission denied")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise ModelError(f"{path}: larger than {max_bytes >> 20} MiB, not a model's JSON file")
     return Path(path)
 
 
 def read_json(path: Path, *, want=dict, max_bytes: int = MAX_JSON_BYTES):
     """Parse a JSON file of a model; the top level must be ``want`` (dict or list)."""
-    path = regular_file(path)
-    if os.path.getsize(path) > max_bytes:
-        raise ModelError(f"{path}: larger than {max_bytes >> 20} MiB, not a model's JSON file")
+    path = regular_file(path, max_bytes=max_bytes)
     try:
         with open(path, "rb") as f:
             raw = f.read(max_bytes + 1)

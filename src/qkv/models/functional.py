@@ -95,7 +95,8 @@ def _gelu_tanh_(x: np.ndarray, work: list) -> np.ndarray:
 
     ``0.5 (1 + tanh(z)) = 1 / (1 + exp(-2 z))``, so
     ``gelu(x) = x / (1 + exp(-2 z))`` with ``z = sqrt(2/pi) (x + 0.044715 x^3)``:
-    seven passes, one ``exp`` instead of a ``tanh`` (about twice as fast).
+    seven passes, one ``exp`` instead of a ``tanh`` (a 1,000-token Gemma 3 prefill's activations
+    took 0.16 s instead of 0.20 s). Within 5e-7 of PyTorch's tanh form (tests).
     """
     y = work[0]
     dt = x.dtype.type

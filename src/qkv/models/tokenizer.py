@@ -166,11 +166,11 @@ def from_file(path: Path, config: dict) -> TextTokenizer:
     added by :meth:`TextTokenizer.encode`, once, where the model family
     expects it.
     """
-    from .files import read_json, regular_file
+    from .files import MAX_JSON_BYTES, regular_file
 
     tk = _tokenizers()
-    regular_file(path, "qkv needs a fast-tokenizer tokenizer.json")
-    read_json(path)  # a FIFO, a huge file, bad UTF-8 or bad JSON: one clear error before the parser
+    # A FIFO, a link to /dev/zero or a huge file stops here; bad JSON is the parser's error, wrapped below.
+    regular_file(path, "qkv needs a fast-tokenizer tokenizer.json", max_bytes=MAX_JSON_BYTES)
     try:
         tok = tk.Tokenizer.from_file(str(path))
     except Exception as exc:

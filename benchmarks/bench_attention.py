@@ -1,11 +1,12 @@
-"""Attention on CPU, side by side: qkv direct, qkv tiled, the tutorials' naive NumPy, PyTorch SDPA.
+"""Attention on CPU, side by side: qkv direct, qkv tiled (both block steps), the tutorials' naive NumPy, PyTorch SDPA.
 
 Run:  python benchmarks/bench_attention.py [--threads N] [--long] [--quick]
 
 Batch 1, 8 heads, head dim 64; N = L = S in 256 ... 8192 (16384 with --long);
 causal and not; float32 and float64. Every implementation runs in the same
 process with the same thread count. Then the long case: N = 65,536, causal,
-float32, qkv tiled. Prints a table, rewrites the "attention" section of
+float32, qkv tiled. Also the compiled step's first-call cost (numba compiling,
+then loading its on-disk cache). Prints a table, rewrites the "attention" section of
 docs/benchmarks.md and draws docs/images/attention_benchmark.png.
 
 Memory, over one call after a warm-up, beyond inputs and output: for the
@@ -51,7 +52,8 @@ def contenders(torch, workers):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return {
-        "qkv tiled": lambda q, k, v, c: sdpa(q, k, v, is_causal=c, implementation="tiled", workers=workers),
+        "qkv tiled (numba)": lambda q, k, v, c: sdpa(q, k, v, is_causal=c, implementation="tiled", workers=workers, kernel="numba"),
+        "qkv tiled (NumPy)": lambda q, k, v, c: sdpa(q, k, v, is_causal=c, implementation="tiled", workers=workers, kernel="numpy"),
         "qkv direct": lambda q, k, v, c: sdpa(q, k, v, is_causal=c, implementation="direct"),
         "qkv direct + weights": lambda q, k, v, c: sdpa(q, k, v, is_causal=c, implementation="direct", return_weights=True),
         "naive (tutorials)": naive,
@@ -110,6 +112,22 @@ def gemm_gflops(threads: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def compile_seconds() -> tuple[float, float]:
+    """First tiled call in a fresh process minus a second one: with an empty numba cache, then with it filled."""
+    import subprocess
+    import tempfile
+
+    code = (
+        "import time, numpy as np; from qkv import scaled_dot_product_attention as a; x = np.ones((1, 2, 600, 16), np.float32)\n"
+        "t = time.perf_counter(); a(x, x, x, implementation='tiled', kernel='numba'); t1 = time.perf_counter() - t\n"
+        "t = time.perf_counter(); a(x, x, x, implementation='tiled', kernel='numba'); print(t1 - (time.perf_counter() - t))"
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        cold, warm = (float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout) for _ in range(2))
+    return cold, warm
+
+
 def fmt_bytes(n):
     if n is None:
         return "n/a"
@@ -164,6 +182,7 @@ def main(argv=None) -> int:
                         if not r.get("skipped"):
                             r["ratio"] = r["ms"] / (times["torch SDPA"] * 1e3)
         gemm_all, gemm_one = gemm_gflops(args.threads)
+        compile_cold, compile_warm = compile_seconds()
 
         long = None
         if not args.quick:
@@ -174,19 +193,22 @@ def main(argv=None) -> int:
             q, k, v = (rng.standard_normal((1, H, n, D)).astype(np.float32) for _ in range(3))
             sdpa(q[:, :, :1024], k[:, :, :1024], v[:, :, :1024], is_causal=True, implementation="tiled")  # warm the pool
             t0 = time.perf_counter()
-            out = sdpa(q, k, v, is_causal=True, implementation="tiled", workers=args.threads)
+            out = sdpa(q, k, v, is_causal=True, implementation="tiled", workers=args.threads, kernel="numba")
             t = time.perf_counter() - t0
-            mem_beyond_output = traced_peak_bytes(lambda: sdpa(q, k, v, is_causal=True, implementation="tiled", workers=args.threads))
+            t0 = time.perf_counter()
+            sdpa(q, k, v, is_causal=True, implementation="tiled", workers=args.threads, kernel="numpy")
+            t_numpy = time.perf_counter() - t0
+            mem_beyond_output = traced_peak_bytes(lambda: sdpa(q, k, v, is_causal=True, implementation="tiled", workers=args.threads, kernel="numba"))
             # Spot check a few rows against the direct path on just the keys they see.
             worst = 0.0
             for i in (0, 1, 4095, 40000, n - 1):
                 ref = sdpa(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1], implementation="direct")
                 worst = max(worst, float(np.abs(out[:, :, i : i + 1] - ref).max()))
             est = memory_estimate(q.shape, k.shape, implementation="tiled", masked=True, workers=args.threads)
-            long = dict(n=n, s=t, mem=mem_beyond_output, est=est, err=worst, gflops=4 * H * n * n * D / 2 / t / 1e9, direct=memory_estimate(q.shape, k.shape, implementation="direct", masked=True))
+            long = dict(n=n, s=t, s_numpy=t_numpy, mem=mem_beyond_output, est=est, err=worst, gflops=4 * H * n * n * D / 2 / t / 1e9, direct=memory_estimate(q.shape, k.shape, implementation="direct", masked=True))
             print(f"long: N={n} causal float32 qkv tiled: {t:.1f} s, {long['gflops']:.1f} GFLOP/s, peak extra memory {fmt_bytes(mem_beyond_output)} (estimate {fmt_bytes(est)}), spot-check err {worst:.1e}")
 
-    body = report(rows, sizes, args, gemm_all, gemm_one, long)
+    body = report(rows, sizes, args, gemm_all, gemm_one, long, (compile_cold, compile_warm))
     print(body)
     if not args.no_write:
         plot(rows, DOC.parent / "images" / "attention_benchmark.png")
@@ -194,8 +216,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def report(rows, sizes, args, gemm_all, gemm_one, long) -> str:
-    names = ["qkv tiled", "qkv direct", "qkv direct + weights", "naive (tutorials)", "torch SDPA"]
+def report(rows, sizes, args, gemm_all, gemm_one, long, compile_s) -> str:
+    names = ["qkv tiled (numba)", "qkv tiled (NumPy)", "qkv direct", "qkv direct + weights", "naive (tutorials)", "torch SDPA"]
     lines = [
         "## Attention kernels: qkv tiled and direct vs the tutorials' NumPy vs PyTorch SDPA",
         "",
@@ -205,7 +227,9 @@ def report(rows, sizes, args, gemm_all, gemm_one, long) -> str:
         "Each cell: time, GFLOP/s, ratio = time / torch SDPA time (below 1: faster than PyTorch), peak extra memory beyond "
         "inputs and output (NumPy paths: tracemalloc; torch: growth of the resident set, VmHWM, which can undercount). "
         f"Ceiling: this machine's float32 GEMM through NumPy runs at {gemm_all:.0f} GFLOP/s on {args.threads} threads "
-        f"({gemm_one:.0f} on one).",
+        f"({gemm_one:.0f} on one). qkv tiled runs with each block step: numba's compiled one (the `qkv[fast]` extra, "
+        f"the default where numba is installed) and NumPy's. The compiled step's first call costs {compile_s[0]:.1f} s "
+        f"with an empty numba cache (compiling) and {compile_s[1]:.2f} s once the cache on disk is filled.",
         "",
     ]
     for dtype in ("float32", "float64"):
@@ -227,7 +251,7 @@ def report(rows, sizes, args, gemm_all, gemm_one, long) -> str:
         lines += [
             "### The long case: N = 65,536, causal, float32, qkv tiled",
             "",
-            f"{long['s']:.1f} s ({long['gflops']:.0f} GFLOP/s); peak extra memory beyond inputs and output (tracemalloc, a second run) "
+            f"{long['s']:.1f} s ({long['gflops']:.0f} GFLOP/s) with the numba step, {long['s_numpy']:.1f} s with NumPy's; peak extra memory beyond inputs and output (tracemalloc, a second run) "
             f"{fmt_bytes(long['mem'])} (qkv.memory_estimate: {fmt_bytes(long['est'])}; the direct path would need "
             f"{fmt_bytes(long['direct'])}). Rows 0, 1, 4095, 40000 and 65535 checked against the direct path: max |difference| {long['err']:.1e}.",
             "",
@@ -241,7 +265,7 @@ def plot(rows, path: Path) -> None:
 
     fig = Figure(figsize=(11, 8), layout="constrained")
     axes = fig.subplots(2, 2, sharex=True)
-    styles = {"qkv tiled": ("o-", "#d62728"), "qkv direct": ("s-", "#1f77b4"), "qkv direct + weights": ("s--", "#17becf"), "naive (tutorials)": ("^-", "#7f7f7f"), "torch SDPA": ("D-", "#2ca02c")}
+    styles = {"qkv tiled (numba)": ("o-", "#d62728"), "qkv tiled (NumPy)": ("o--", "#ff9896"), "qkv direct": ("s-", "#1f77b4"), "qkv direct + weights": ("s--", "#17becf"), "naive (tutorials)": ("^-", "#7f7f7f"), "torch SDPA": ("D-", "#2ca02c")}
     for ax, (dtype, causal) in zip(axes.ravel(), [(d, c) for d in ("float32", "float64") for c in (False, True)]):
         for name, (style, color) in styles.items():
             pts = sorted((r["n"], r["ms"]) for r in rows if r["dtype"] == dtype and r["causal"] == causal and r["impl"] == name and not r.get("skipped"))

@@ -13,6 +13,13 @@ from qkv import masks, memory_estimate, merge_attention, scaled_dot_product_atte
 from qkv.attention import _prepare, choose_implementation
 
 
+@pytest.fixture(autouse=True, params=flash.kernel_names())
+def kernel(request, monkeypatch):
+    """Every test here runs with each block-step kernel installed: NumPy, and numba's in CI."""
+    monkeypatch.setattr(flash, "KERNEL", request.param)
+    return request.param
+
+
 @pytest.fixture(params=[(384, 768), (7, 5)], ids=["default-blocks", "tiny-blocks"])
 def blocks(request, monkeypatch):
     """Run each test with the default blocks and with tiny ones (many blocks, many rescales)."""

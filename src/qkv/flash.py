@@ -39,6 +39,11 @@ scores' own digits. A NaN anywhere in a row's scores stays NaN in its
 output (and log-sum-exp), as on the direct path; it never turns into the
 zeros of a row with nothing to attend to.
 
+The step between the two products is :func:`block_step`; with the
+``qkv[fast]`` extra a compiled version of it (``qkv._compiled``, numba)
+runs instead, a row at a time while the row is in cache (see
+docs/long-sequences.md). ``KERNEL`` says which; both agree to rounding.
+
 Work items (batch, key/value head, query block) run on a thread pool, BLAS
 pinned to one thread each (``qkv._parallel``). The query heads that share a
 key/value head (grouped-query attention) go through together, as one taller
@@ -47,12 +52,15 @@ block.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 
 from ._parallel import check_workers, interrupted, run_all, scratch
 from .dropout import dropout_keep
 
-__all__ = ["tiled_attention", "BLOCK_Q", "BLOCK_K", "TAU"]
+__all__ = ["tiled_attention", "tiled_attention_backward", "block_step", "kernel_names", "check_kernel", "BLOCK_Q", "BLOCK_K", "TAU", "KERNEL"]
 
 
 def __dir__():  # what dir() and tab completion list: the API, not the imports
@@ -61,6 +69,92 @@ def __dir__():  # what dir() and tab completion list: the API, not the imports
 BLOCK_Q = 384  #: score rows per work item: query rows times the query heads sharing a key/value head
 BLOCK_K = 768  #: keys per step (a 384 x 768 float32 block is about one core's L2 cache)
 TAU = 8.0  #: how far above the running shift a score may go before the shift moves
+
+
+def block_step(s, keep, m, total, fold: bool):  # (R, C), (R, C) bool or None, (R,), (R,) -> (moved, factor)
+    """One key block of the online softmax, in place: the reference for every kernel.
+
+    ``s`` holds the block's scores: minus the current shift where it is
+    folded into the product (``fold``), raw otherwise (with the bias). The
+    step hides what ``keep`` masks, moves the shift ``m`` (-inf: none yet)
+    of the rows whose maximum rose more than ``TAU`` above it, rescales their
+    ``total``, overwrites ``s`` with ``exp(s - shift)`` and adds its rows to
+    ``total``. Returns whether any row's shift moved (the folded column must
+    follow) and the factor each row of the output accumulator must be
+    multiplied by, or None when no row's shift grew.
+    """
+    dt = s.dtype
+    if keep is not None:
+        np.copyto(s, -np.inf, where=~keep)
+    top = s.max(axis=1)  # NaN where a score is NaN: no shift, and the NaN flows on
+    shift = np.where(np.isfinite(m), m, 0).astype(dt)
+    rise = top if fold else top - shift  # how far this block's maximum lies above the shift
+    new = ~np.isfinite(m)  # rows with no shift yet: take this block's maximum, if any
+    need = (rise > TAU) | (new & np.isfinite(top))
+    factor, d = None, None
+    if need.any():
+        d = np.where(need & np.isfinite(top), np.where(new, top, rise), 0).astype(dt)  # the shift's move
+        grow = need & ~new
+        if grow.any():
+            factor = np.where(grow, np.exp(-d), 1).astype(dt)
+            total *= factor
+        m[:] = np.where(need, np.where(new, 0, m) + d, m)
+    if fold:
+        if d is not None:
+            s -= d[:, None]  # the old shift is in the product already; the move comes off here
+    else:
+        s -= np.where(np.isfinite(m), m, 0).astype(dt)[:, None]
+    np.exp(s, out=s)
+    total += s.sum(axis=1)  # pairwise summation: more accurate than accumulating in the matmul
+    return d is not None, factor
+
+
+def _compiled_step(s, keep, m, total, fold: bool):
+    """``block_step`` by the numba kernel (``qkv._compiled``): the same contract."""
+    from ._compiled import block_step as kernel
+
+    rows, cols = s.shape
+    ints = np.int32 if s.dtype == np.float32 else np.int64
+    bits = scratch("bits", (cols,), ints)
+    ys = scratch("ys", (cols,), s.dtype)
+    factor = scratch("factor", (rows,), s.dtype)
+    use_keep = keep is not None
+    keep = np.ascontiguousarray(keep) if use_keep else _NO_KEEP
+    moved, grew = kernel(s, keep, use_keep, m, total, factor, fold, s.dtype.type(TAU), ys, bits, bits.view(s.dtype))
+    return moved, (factor if grew else None)
+
+
+_NO_KEEP = np.ones((1, 1), bool)
+_KERNELS = {"numpy": block_step, "numba": _compiled_step}
+
+
+def kernel_names() -> list[str]:
+    """The block-step kernels this installation has: "numpy" always, "numba" with ``qkv[fast]``."""
+    return ["numpy"] + (["numba"] if importlib.util.find_spec("numba") is not None else [])
+
+
+def check_kernel(name) -> str:
+    """``name`` if it is a kernel this installation has; a clear error otherwise."""
+    if name not in _KERNELS:
+        raise ValueError(f"kernel should be one of {sorted(_KERNELS)}, got {name!r}")
+    if name not in kernel_names():
+        raise ImportError(f"kernel {name!r} needs numba: pip install 'qkv[fast]'")
+    return name
+
+
+def _default_kernel() -> str:
+    chosen = os.environ.get("QKV_KERNEL", "").strip()
+    if chosen:
+        try:
+            return check_kernel(chosen)
+        except (ValueError, ImportError) as exc:
+            raise type(exc)(f"environment variable QKV_KERNEL: {exc}") from None
+    return kernel_names()[-1]  # the compiled one where numba is installed
+
+
+#: The block step the tiled path uses: "numba" where numba is installed, else "numpy";
+#: set QKV_KERNEL=numpy (or =numba) before importing qkv, or pass kernel= to scaled_dot_product_attention.
+KERNEL = _default_kernel()
 
 def _batch_index(idx: tuple, shape: tuple) -> tuple:
     """``idx`` into the broadcast batch shape -> the index into an array whose batch dims are ``shape``."""
@@ -94,8 +188,22 @@ def _block_keep(i0, i1, j0, j1, offset, window):
     return keep
 
 
-def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int | None = None, block_q: int | None = None, block_k: int | None = None):
+def _block_index(x, nd, nb, bidx, hk, i0, i1, j0, j1):
+    """x reshaped to nd dims and its (G or 1, rows or 1, cols or 1) block for (batch bidx, head hk)."""
+    x = x.reshape((1,) * (nd - x.ndim) + x.shape)
+    xb = x[_batch_index(bidx, x.shape[:nb]) + (0 if x.shape[nb] == 1 else hk,)]  # (G or 1, L or 1, S or 1)
+    return xb[:, slice(i0, i1) if xb.shape[1] > 1 else slice(None), slice(j0, j1) if xb.shape[2] > 1 else slice(None)]
+
+
+def _block_of(x, nd, nb, G, bidx, hk, i0, i1, j0, j1):
+    """x's (G, rows, cols) block, broadcast; x is broadcastable to (..., Hk, G, L, S) (nd dims, nb batch dims)."""
+    return np.broadcast_to(_block_index(x, nd, nb, bidx, hk, i0, i1, j0, j1), (G, i1 - i0, j1 - j0))
+
+
+def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int | None = None, block_q: int | None = None, block_k: int | None = None, kernel: str | None = None):
     """Attention of a prepared problem (see ``qkv.attention._prepare``) by key blocks.
+
+    ``kernel`` picks the block step ("numpy" or "numba"; default ``KERNEL``).
 
     Returns
     -------
@@ -103,6 +211,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     lse : ndarray, (..., Hk, G, L), natural log-sum-exp of each row's scores
     """
     workers = check_workers(workers)
+    step = _KERNELS[check_kernel(KERNEL if kernel is None else kernel)]
     q, k, v = p.q, p.k, p.v  # (..., Hk, G, L, D), (..., Hk, 1, S, D), (..., Hk, 1, S, Dv)
     dt = q.dtype
     *_, Hk, G, L, D = q.shape
@@ -130,14 +239,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     fold = bias is None
 
     nd = len(batch) + 4  # (..., Hk, G, L, S)
-
-    def block_of(x, bidx, hk, i0, i1, j0, j1):
-        """x's (G, rows, cols) block, broadcast; x is broadcastable to (..., Hk, G, L, S)."""
-        x = x.reshape((1,) * (nd - x.ndim) + x.shape)
-        lead = x.shape[: len(batch)]
-        xb = x[_batch_index(bidx, lead) + (0 if x.shape[len(batch)] == 1 else hk,)]  # (G or 1, L or 1, S or 1)
-        xb = xb[:, slice(i0, i1) if xb.shape[1] > 1 else slice(None), slice(j0, j1) if xb.shape[2] > 1 else slice(None)]
-        return np.broadcast_to(xb, (G, i1 - i0, j1 - j0))
+    block_of = lambda x, bidx, hk, i0, i1, j0, j1: _block_of(x, nd, len(batch), G, bidx, hk, i0, i1, j0, j1)  # noqa: E731
 
     def work(bidx, hk, i0):
         i1 = min(i0 + bq, L)
@@ -151,7 +253,6 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
         np.multiply(qb.reshape(rows, D), scale, out=qx[:, :D])
         qx[:, D] = 0
         m = np.full(rows, -np.inf, dt)  # the shift applied so far (-inf: none yet)
-        shift = np.zeros(rows, dt)  # m, or 0 where none yet
         acc = scratch("acc", (rows, Dv), dt)
         acc[:] = 0
         total = np.zeros(rows, dt)  # running sum of exp(s - m)
@@ -172,32 +273,14 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             np.matmul(qx, kx[j0:j1].T, out=s)  # scores * scale (- m when folded)
             s3 = s.reshape(G, n, j1 - j0)
             if not fold:
-                s3 += block_of(bias, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off below, once
+                s3 += block_of(bias, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off in the step, once
             if keep is not None:
-                np.copyto(s3, -np.inf, where=~keep)
-            bmax = s.max(axis=1)  # NaN where a score is NaN: no shift, and the NaN flows on
-            rise = bmax if fold else bmax - shift  # how far this block's maximum lies above the shift
-            new = ~np.isfinite(m)  # rows with no shift yet: take this block's maximum, if any
-            need = (rise > TAU) | (new & np.isfinite(bmax))
-            d = None
-            if need.any():
-                d = np.where(need & np.isfinite(bmax), np.where(new, bmax, rise), 0).astype(dt)  # the shift's move
-                grow = need & ~new
-                if grow.any():
-                    r = np.exp(-d[grow])
-                    acc[grow] *= r[:, None]
-                    total[grow] *= r
-                m = np.where(need, np.where(new, 0, m) + d, m)
-                shift = np.where(np.isfinite(m), m, 0).astype(dt)
-                if fold:
-                    qx[:, D] = -shift
-            if fold:
-                if d is not None:
-                    s -= d[:, None]  # the old shift is in the product already; the move comes off here
-            else:
-                s -= shift[:, None]
-            np.exp(s, out=s)
-            total += s.sum(axis=1)  # pairwise summation: more accurate than accumulating in the matmul
+                keep = np.broadcast_to(keep, s3.shape).reshape(rows, j1 - j0)
+            moved, factor = step(s, keep, m, total, fold)  # s <- exp(s - shift); m, total updated
+            if factor is not None:
+                acc *= factor[:, None]
+            if moved and fold:
+                qx[:, D] = -np.where(np.isfinite(m), m, 0)
             if dropout_p:
                 b_flat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
                 heads = (b_flat * Hq + hk * G + np.arange(G, dtype=np.uint64))[:, None, None]
@@ -211,6 +294,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
         res[~seen] = 0
         o = out[bidx + (hk, slice(None), slice(i0, i1))]
         o[...] = res.reshape(G, n, Dv)
+        shift = np.where(np.isfinite(m), m, 0).astype(dt)
         with np.errstate(divide="ignore", invalid="ignore"):
             row_lse = np.where(seen, np.log(np.where(seen, total, 1)) + shift, -np.inf)
         lse[bidx + (hk, slice(None), slice(i0, i1))] = row_lse.reshape(G, n)
@@ -221,3 +305,114 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     tasks = [lambda b=b, h=h, i=i: work(b, h, i) for b in np.ndindex(*batch) for h in range(Hk) for i in starts]
     run_all(tasks, workers)
     return out, lse
+
+
+def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, dropout_key=None, workers: int | None = None, want_bias: bool = False, block_q: int | None = None, block_k: int | None = None):
+    """Gradients of tiled attention from its output and log-sum-exp alone (the FlashAttention-2 backward).
+
+    Nothing of size ``L x S`` was kept by the forward; each block's weights
+    are recomputed from the log-sum-exp, ``P = exp(s - lse)``, and with
+    ``delta = rowsum(dO * O)`` (which equals ``rowsum(P * dP)``)::
+
+        dV += P.T @ dO        dP = dO @ V.T        dS = P * (dP - delta)
+        dQ += dS @ K * scale  dK += dS.T @ Q * scale
+
+    Parameters
+    ----------
+    p : the prepared problem of the forward (``qkv.attention._prepare``)
+    out, lse : ndarray, (..., Hk, G, L, Dv), (..., Hk, G, L)
+        What :func:`tiled_attention` returned.
+    d_out : ndarray, (..., Hk, G, L, Dv)
+        The gradient of the loss with respect to ``out``.
+    want_bias : bool
+        Also return the bias gradient, summed to ``p.bias``'s shape.
+
+    Returns
+    -------
+    d_query : ndarray, (..., Hk, G, L, D)
+    d_key, d_value : ndarray, (..., Hk, S, D), (..., Hk, S, Dv)
+    d_bias : ndarray of ``p.bias``'s shape, or None
+    """
+    import threading
+
+    workers = check_workers(workers)
+    q, k, v = p.q, p.k, p.v
+    dt = q.dtype
+    *_, Hk, G, L, D = q.shape
+    S, Dv = k.shape[-2], v.shape[-1]
+    batch = p.scores_shape[:-3]
+    Hq, offset, window = Hk * G, S - L, p.window
+    bq, bk = max(1, (block_q or BLOCK_Q) // G), block_k or BLOCK_K
+    scale = dt.type(p.scale)
+    keep_scale = dt.type(0 if dropout_p >= 1 else 1 / (1 - dropout_p))
+    nd, nb = len(batch) + 4, len(batch)
+    delta = np.einsum("...d,...d->...", d_out, out)  # (..., Hk, G, L): rowsum(dO * O)
+    lse_safe = np.where(np.isfinite(lse), lse, np.inf).astype(dt)  # rows that saw nothing: P = exp(s - inf) = 0
+    dq = np.zeros((*batch, Hk, G, L, D), dt)
+    dk = np.zeros((*batch, Hk, S, D), dt)
+    dv = np.zeros((*batch, Hk, S, Dv), dt)
+    mask, bias = p.mask, p.bias
+    d_bias = np.zeros(bias.shape, dt) if want_bias and bias is not None else None
+    bias_lock = threading.Lock()  # a broadcast bias is shared by several (batch, head) work items
+
+    def work(bidx, hk):
+        qi = _batch_index(bidx, q.shape[:-4]) + (hk,)
+        kvi = _batch_index(bidx, k.shape[:-4]) + (hk, 0)
+        vvi = _batch_index(bidx, v.shape[:-4]) + (hk, 0)
+        kb_all, vb_all = k[kvi], v[vvi]  # (S, D), (S, Dv)
+        dk_h, dv_h = dk[bidx + (hk,)], dv[bidx + (hk,)]  # this work item's own rows: no lock
+        for i0 in range(0, L, bq):
+            i1 = min(i0 + bq, L)
+            n = i1 - i0
+            rows = G * n
+            lo, hi = _visible_range(i0, i1, offset, window, S)
+            qb = q[qi][:, i0:i1].reshape(rows, D)  # unscaled
+            qs = qb * scale
+            dob = d_out[bidx + (hk, slice(None), slice(i0, i1))].reshape(rows, Dv)
+            lse_b = lse_safe[bidx + (hk, slice(None), slice(i0, i1))].reshape(rows, 1)
+            delta_b = delta[bidx + (hk, slice(None), slice(i0, i1))].reshape(rows, 1)
+            dq_b = np.zeros((rows, D), dt)
+            for j0 in range(lo, hi, bk):
+                if interrupted():
+                    return
+                j1 = min(j0 + bk, hi)
+                keep = None if window is None else _block_keep(i0, i1, j0, j1, offset, window)
+                if mask is not None:
+                    mb = _block_of(mask, nd, nb, G, bidx, hk, i0, i1, j0, j1)
+                    keep = mb if keep is None else mb & keep
+                    if not keep.any():
+                        continue
+                kb, vb = kb_all[j0:j1], vb_all[j0:j1]
+                s = qs @ kb.T  # (rows, cols)
+                s3 = s.reshape(G, n, j1 - j0)
+                if bias is not None:
+                    s3 += _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)
+                if keep is not None:
+                    np.copyto(s3, -np.inf, where=~np.broadcast_to(keep, s3.shape))
+                s -= lse_b
+                w = np.exp(s, out=s)  # P: the forward's weights of this block
+                if dropout_p:
+                    b_flat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
+                    heads = (b_flat * Hq + hk * G + np.arange(G, dtype=np.uint64))[:, None, None]
+                    index = (heads * L + np.arange(i0, i1, dtype=np.uint64)[None, :, None]) * S + np.arange(j0, j1, dtype=np.uint64)
+                    f = np.where(dropout_keep(dropout_key, index, dropout_p), keep_scale, dt.type(0)).reshape(rows, j1 - j0)
+                    dv_h[j0:j1] += (w * f).T @ dob
+                    dp = (dob @ vb.T) * f
+                else:
+                    dv_h[j0:j1] += w.T @ dob
+                    dp = dob @ vb.T
+                dp -= delta_b
+                ds = np.multiply(w, dp, out=dp)  # dS = P * (dP - delta)
+                dq_b += ds @ kb
+                dk_h[j0:j1] += ds.T @ qb
+                if d_bias is not None:
+                    target = _block_index(d_bias, nd, nb, bidx, hk, i0, i1, j0, j1)
+                    ds3 = ds.reshape(G, n, j1 - j0)
+                    axes = tuple(a for a in range(3) if target.shape[a] == 1 and ds3.shape[a] != 1)
+                    with bias_lock:
+                        target += ds3.sum(axis=axes, keepdims=True) if axes else ds3
+            dq[bidx + (hk, slice(None), slice(i0, i1))] = (dq_b * scale).reshape(G, n, D)
+        dk_h *= scale
+
+    run_all([lambda b=b, h=h: work(b, h) for b in np.ndindex(*batch) for h in range(Hk)], workers)
+    return dq, dk, dv, d_bias

@@ -1,0 +1,123 @@
+"""The compiled block step (qkv._compiled, the qkv[fast] extra) against the NumPy reference step.
+
+The whole tiled suite (tests/test_flash.py) also runs with both kernels; here: the polynomial
+exponential's error bound, the step itself on hostile blocks, and how the kernel is chosen.
+CI installs numba (the [test] extra includes [fast]), so these tests run there.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import qkv.flash as flash
+from qkv import scaled_dot_product_attention as sdpa
+
+if "numba" not in flash.kernel_names():
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must test the compiled kernel: the [test] extra installs numba")
+    pytest.skip("numba is not installed (pip install 'qkv[fast]')", allow_module_level=True)
+
+from qkv import _compiled  # noqa: E402
+
+INTS = {np.float32: np.int32, np.float64: np.int64}
+LOWEST = {np.float32: -87.33654, np.float64: -708.39}  # below: exactly 0
+
+
+def compiled_exp(x):
+    x = np.ascontiguousarray(x)
+    out, ys, bits = np.empty_like(x), np.empty_like(x), np.empty(x.shape, INTS[x.dtype.type])
+    _compiled.exp_into(x, out, ys, bits, bits.view(x.dtype))
+    return out
+
+
+def ulps(got, x):
+    """Error in units in the last place of the correctly rounded exp, from a wider reference."""
+    ref = np.exp(x.astype(np.longdouble))
+    return (np.abs(got.astype(np.longdouble) - ref) / np.spacing(ref.astype(x.dtype)).astype(np.longdouble)).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_polynomial_exp_is_within_one_ulp_over_its_range(dtype):
+    rng = np.random.default_rng(0)
+    lo = LOWEST[dtype]
+    x = np.concatenate([np.linspace(lo, 8, 2_000_001), rng.uniform(lo, 8, 1_000_000), rng.uniform(-20, 8, 1_000_000)]).astype(dtype)
+    err = ulps(compiled_exp(x), x)
+    assert err.max() <= 1.01, (float(err.max()), x[err.argmax()])  # measured: 1.0014 (float32), 0.98 (float64)
+    assert compiled_exp(np.array([0.0], dtype))[0] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_polynomial_exp_is_zero_below_its_range_and_for_minus_inf(dtype):
+    x = np.array([-np.inf, LOWEST[dtype] - 1, -1e30, -np.finfo(dtype).max], dtype)
+    assert np.array_equal(compiled_exp(x), np.zeros(4, dtype))
+
+
+def _blocks(dtype, rng):
+    """(s, keep, m, fold) cases: first blocks, steady blocks, rising shifts, masks, NaN, +inf, empty rows."""
+    R, C = 37, 53
+    base = rng.standard_normal((R, C)).astype(dtype) * 3
+    none = np.full(R, -np.inf, dtype)
+    some = rng.standard_normal(R).astype(dtype) * 2
+    keep = rng.random((R, C)) < 0.6
+    keep[3] = False  # a row with nothing to attend to
+    hostile = base.copy()
+    hostile[5, 7] = np.nan
+    hostile[6, 2] = np.inf
+    hostile[7, :] = -np.inf
+    hostile[8, 9] = 40.0  # rises far above any shift
+    for fold in (True, False):
+        yield base.copy(), None, none.copy(), fold
+        yield base.copy(), None, some.copy(), fold
+        yield base * 10, None, some.copy(), fold  # most rows must move their shift
+        yield base.copy(), keep, some.copy(), fold
+        yield base.copy(), keep, none.copy(), fold
+        yield hostile.copy(), None, some.copy(), fold
+        yield hostile.copy(), keep, none.copy(), fold
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_step_equals_the_numpy_step(dtype):
+    rng = np.random.default_rng(1)
+    tol = 1e-6 if dtype == np.float32 else 1e-12
+    for s, keep, m, fold in _blocks(dtype, rng):
+        total = rng.random(s.shape[0]).astype(dtype)
+        want_s, want_m, want_total = s.copy(), m.copy(), total.copy()
+        want_moved, want_factor = flash.block_step(want_s, keep, want_m, want_total, fold)
+        moved, factor = flash._compiled_step(s, keep, m, total, fold)
+        assert moved == want_moved and (factor is None) == (want_factor is None)
+        np.testing.assert_array_equal(m, want_m)  # the same maxima: bit for bit
+        # NaN where NaN, inf where inf, 0 where masked; NumPy's subnormal results are 0 here (below tiny).
+        np.testing.assert_allclose(s, want_s, rtol=tol, atol=np.finfo(dtype).tiny)
+        np.testing.assert_allclose(total, want_total, rtol=tol, atol=0)
+        if factor is not None:
+            np.testing.assert_allclose(factor, want_factor, rtol=tol, atol=0)
+        assert s.dtype == dtype and total.dtype == dtype and m.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_both_kernels_give_the_same_attention(dtype, causal):
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 4, 900, 32)).astype(dtype) * 2 for _ in range(3))
+    mask = rng.random((2, 1, 900, 900)) < 0.9
+    tol = 1e-6 if dtype == np.float32 else 1e-12
+    a = sdpa(q, k, v, mask=mask, is_causal=causal, implementation="tiled", kernel="numpy")
+    b = sdpa(q, k, v, mask=mask, is_causal=causal, implementation="tiled", kernel="numba")
+    np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
+    assert b.dtype == dtype
+
+
+def test_kernel_is_chosen_by_argument_and_environment():
+    with pytest.raises(ValueError, match=r"kernel should be one of \['numba', 'numpy'\], got 'cuda'"):
+        sdpa(np.ones((4, 2)), np.ones((4, 2)), np.ones((4, 2)), kernel="cuda")
+    code = "import qkv.flash as f; print(f.KERNEL)"
+    env = {k: v for k, v in os.environ.items() if k != "QKV_KERNEL"}
+    run = lambda value: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "QKV_KERNEL": value}, timeout=60)
+    assert run("numpy").stdout.strip() == "numpy"
+    assert run("numba").stdout.strip() == "numba"
+    assert run("").stdout.strip() == "numba"  # the default where numba is installed
+    bad = run("fortran")
+    assert bad.returncode != 0 and "ValueError: environment variable QKV_KERNEL: kernel should be one of ['numba', 'numpy'], got 'fortran'" in bad.stderr

@@ -28,12 +28,12 @@ go in ``bias=``. The functional core puts heads before the sequence,
 
 from . import masks
 from .cache import KVCache
-from .attention import attention_weights, memory_estimate, merge_attention, scaled_dot_product_attention
+from .attention import attention_weights, memory_estimate, merge_attention, scaled_dot_product_attention, scaled_dot_product_attention_vjp
 from .heads import merge_heads, split_heads
 from .layers import AttentionTrace, MultiHeadAttention
 from .positional import sinusoidal_position_encoding
 from .rope import apply_rope
-from .softmax import logsumexp, softmax
+from .softmax import logsumexp, logsumexp_vjp, softmax, softmax_vjp
 from .text import Embedding, Vocabulary, tokenize
 
 __version__ = "0.1.0"
@@ -52,8 +52,11 @@ __all__ = [
     "merge_attention",
     "merge_heads",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
     "sinusoidal_position_encoding",
     "softmax",
+    "softmax_vjp",
+    "logsumexp_vjp",
     "split_heads",
     "tokenize",
 ]

@@ -35,6 +35,7 @@ from .softmax import softmax_
 
 __all__ = [
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
     "attention_weights",
     "merge_attention",
     "memory_estimate",
@@ -263,6 +264,7 @@ def scaled_dot_product_attention(
     return_lse: bool = False,
     implementation: str = "auto",
     workers: int | None = None,
+    kernel: str | None = None,
 ):
     """Scaled dot-product attention: ``softmax(query @ key.T * scale + bias, where=mask) @ value``.
 
@@ -317,6 +319,10 @@ def scaled_dot_product_attention(
         tiled one otherwise.
     workers : int, optional
         Threads for the tiled path (default: the CPUs available).
+    kernel : {"numpy", "numba"}, optional
+        The tiled path's block step (default :data:`qkv.flash.KERNEL`:
+        numba's compiled step where the ``qkv[fast]`` extra is installed,
+        NumPy's otherwise; both give the same results to rounding).
 
     Returns
     -------
@@ -360,6 +366,8 @@ def scaled_dot_product_attention(
     p = _prepare(query, key, value, mask, bias, is_causal, scale, window)
     dropout_p = _check_dropout(dropout_p)
     workers = check_workers(workers)
+    if kernel is not None:
+        _flash.check_kernel(kernel)
     impl = choose_implementation(p, implementation, return_weights)
     if 0 in p.scores_shape or 0 in p.out_shape:  # zero heads, lengths or batch: empty results, as torch
         out = np.zeros(p.out_shape[1:] if p.unbatched else p.out_shape, p.dtype)  # S == 0: zero rows
@@ -371,7 +379,7 @@ def scaled_dot_product_attention(
         _check_direct_fits(p, dropout_p > 0)
     if impl == "tiled":
         key_ = None if dropout_p == 0.0 else _dropout_key(_need_rng(rng))
-        out, lse = _flash.tiled_attention(p, dropout_p=dropout_p, dropout_key=key_, workers=workers)
+        out, lse = _flash.tiled_attention(p, dropout_p=dropout_p, dropout_key=key_, workers=workers, kernel=kernel)
         extra = [_finish(lse[..., None], p, 1, keep_dtype=True)[..., 0]] if return_lse else []
         out = _finish(out, p, p.out_shape[-1])
         return (out, *extra) if extra else out
@@ -386,6 +394,140 @@ def scaled_dot_product_attention(
     if return_lse:
         extra.append(_finish(lse[..., None], p, 1, keep_dtype=True)[..., 0])
     return (out, *extra) if extra else out
+
+
+def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
+    """``x`` summed over the dims that broadcasting gave it beyond ``shape``: the gradient of a broadcast."""
+    lead = x.ndim - len(shape)
+    if lead > 0:
+        x = x.sum(axis=tuple(range(lead)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return (x.sum(axis=axes, keepdims=True) if axes else x).reshape(shape)
+
+
+def scaled_dot_product_attention_vjp(
+    query,
+    key,
+    value,
+    *,
+    mask=None,
+    bias=None,
+    is_causal: bool = False,
+    window: tuple | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    rng=None,
+    implementation: str = "auto",
+    workers: int | None = None,
+    kernel: str | None = None,
+):
+    """Attention and its vector-Jacobian product: ``(output, vjp)``, ``vjp(d_output) -> (d_query, d_key, d_value, d_bias)``.
+
+    The arguments and the output are those of
+    :func:`scaled_dot_product_attention`. With ``W = softmax(S)``,
+    ``S = Q K^T * scale + bias`` and ``O = W V``, the backward pass is::
+
+        dV = W^T dO      dW = dO V^T      dS = W * (dW - rowsum(dW * W))
+        dQ = dS K * scale      dK = dS^T Q * scale      d_bias = dS
+
+    The direct path keeps the weights ``W`` from the forward; the tiled
+    path keeps only the output and the log-sum-exp and recomputes each
+    block's weights (:func:`qkv.flash.tiled_attention_backward`), so its
+    memory stays O((L + S) D).
+
+    Returns
+    -------
+    output : ndarray, shape (..., Hq, L, Dv) (or (L, Dv))
+    vjp : callable
+        ``vjp(d_output)`` with ``d_output`` of the output's shape returns
+        ``(d_query, d_key, d_value, d_bias)``, each of its input's shape and
+        the result dtype; ``d_bias`` is None when no bias was given and is
+        summed over the dims the bias was broadcast along. Shared key/value
+        heads (grouped-query attention) get the sum over their query heads.
+        Masked pairs and rows with nothing to attend to get zero gradient.
+        With dropout, the same weights are dropped as in the forward. It may
+        be called any number of times.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import scaled_dot_product_attention_vjp
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 5, 4)) for _ in range(3))  # (H, L, D)
+    >>> out, vjp = scaled_dot_product_attention_vjp(q, k, v, is_causal=True)
+    >>> d_q, d_k, d_v, d_bias = vjp(np.ones_like(out))
+    >>> d_q.shape, d_k.shape, d_v.shape, d_bias
+    ((2, 5, 4), (2, 5, 4), (2, 5, 4), None)
+    >>> bool(np.allclose(d_v.sum(axis=-2), 5.0))  # every query's weights sum to 1
+    True
+    """
+    shapes = {name: np.shape(x) for name, x in (("query", query), ("key", key), ("value", value))}
+    p = _prepare(query, key, value, mask, bias, is_causal, scale, window)
+    bias_shape = None if bias is None else np.shape(bias)
+    dropout_p = _check_dropout(dropout_p)
+    workers = check_workers(workers)
+    if kernel is not None:
+        _flash.check_kernel(kernel)
+    impl = choose_implementation(p, implementation)
+    dt = p.compute_dtype
+    *_, Hk, G, L, D = p.q.shape
+    S, Dv = p.k.shape[-2], p.v.shape[-1]
+    key_ = None if dropout_p == 0.0 else _dropout_key(_need_rng(rng))
+    empty = 0 in p.scores_shape or 0 in p.out_shape
+    if empty:
+        out = np.zeros(p.out_shape, dt).reshape(*p.scores_shape[:-3], Hk, G, L, Dv)
+    elif impl == "direct":
+        _check_direct_fits(p, dropout_p > 0)
+        w = _weights(p)  # (..., Hk, G, L, S)
+        factor = None
+        if dropout_p:
+            index = np.arange(w.size, dtype=np.uint64).reshape(w.shape)  # the numbering _dropout uses
+            factor = np.where(dropout_keep(key_, index, dropout_p), dt.type(0 if dropout_p >= 1 else 1 / (1 - dropout_p)), dt.type(0))
+        w_drop = w if factor is None else w * factor
+        out = w_drop @ p.v  # (..., Hk, G, L, Dv)
+    else:
+        out, lse = _flash.tiled_attention(p, dropout_p=dropout_p, dropout_key=key_, workers=workers, kernel=kernel)
+    output = _finish(out, p, Dv)
+
+    def vjp(d_output):
+        d = as_array(d_output, "d_output")
+        if d.dtype.kind not in "fiu":
+            raise TypeError(f"d_output should be a real float array, got dtype {d.dtype}")
+        if d.shape != output.shape:
+            raise ValueError(f"d_output shape should be {output.shape} (the output's), got {d.shape}")
+        d_out = d.astype(dt, copy=False).reshape(out.shape)  # (..., Hk, G, L, Dv)
+        batch = p.scores_shape[:-3]
+        if empty:
+            dq, dk, dv = np.zeros((*batch, Hk, G, L, D), dt), np.zeros((*batch, Hk, S, D), dt), np.zeros((*batch, Hk, S, Dv), dt)
+            ds = np.zeros(p.scores_shape, dt) if bias is not None else None
+        elif impl == "direct":
+            dv = (np.swapaxes(w_drop, -1, -2) @ d_out).sum(axis=-3)  # (..., Hk, S, Dv): summed over the group
+            dw = d_out @ np.swapaxes(p.v, -1, -2)  # (..., Hk, G, L, S)
+            if factor is not None:
+                dw *= factor
+            ds = w * (dw - (dw * w).sum(axis=-1, keepdims=True))  # the softmax's VJP
+            dq = (ds @ p.k) * dt.type(p.scale)  # (..., Hk, G, L, D)
+            dk = (np.swapaxes(ds, -1, -2) @ p.q).sum(axis=-3) * dt.type(p.scale)  # (..., Hk, S, D)
+        else:
+            dq, dk, dv, ds = _flash.tiled_attention_backward(p, out, lse, d_out, dropout_p=dropout_p, dropout_key=key_, workers=workers, want_bias=bias is not None)
+
+        def to_input(x, name):  # (*batch, H, X, Y) -> the input's own shape, in the result dtype
+            heads_shape = (1, *shapes[name]) if len(shapes[name]) == 2 else shapes[name]
+            return _sum_to(x, heads_shape).reshape(shapes[name]).astype(p.dtype, copy=False)
+
+        d_query = to_input(dq.reshape(*batch, Hk * G, L, D), "query")
+        d_key = to_input(dk, "key")
+        d_value = to_input(dv, "value")
+        d_bias = None
+        if bias is not None:
+            if impl == "tiled" and not empty:  # summed to the prepared bias already, whose layout is the user's
+                d_bias = ds.reshape(bias_shape).astype(p.dtype, copy=False)
+            else:
+                full = ds.reshape(p.scores_shape)  # (..., Hq, L, S)
+                d_bias = _sum_to(full[0] if p.unbatched else full, bias_shape).astype(p.dtype, copy=False)
+        return d_query, d_key, d_value, d_bias
+
+    return output, vjp
 
 
 def _check_direct_fits(p: _Problem, dropout: bool) -> None:

@@ -502,6 +502,60 @@ def _draw_attention(args, plots, out_dir, att, tokens, name, layer_notes, keep=N
     return 0
 
 
+# -------------------------------------------------------------------- train
+def cmd_train(args) -> int:
+    from . import train as tr
+
+    if args.task not in tr.TASKS:
+        raise CLIError(f"TASK should be one of {', '.join(sorted(tr.TASKS))}, got {args.task!r}")
+    if args.steps is not None and args.steps < 1:
+        raise CLIError(f"--steps should be >= 1, got {args.steps}")
+    if args.seed < 0:
+        raise CLIError(f"--seed should be >= 0, got {args.seed}")
+    try:
+        import safetensors  # noqa: F401  (the trained weights are written as safetensors)
+    except ImportError:
+        raise CLIError("qkv train writes safetensors: pip install 'qkv[models]'") from None
+    plots = _plots_module()
+    out_dir = _out_dir(args.out)
+    task = tr.TASKS[args.task]
+    progress = sys.stderr if args.json else sys.stdout
+    print(f"training a {args.task} transformer ({task.description}); seed {args.seed}", file=progress, flush=True)
+
+    def show(step, loss, acc, rate):
+        print(f"step {step:5d}  loss {loss:.4f}  accuracy {acc:.3f}  {rate:,.0f} tokens/s", file=progress, flush=True)
+
+    model, res = tr.train(args.task, steps=args.steps, seed=args.seed, on_step=show)
+    scores = tr.head_scores(model, args.task)
+    files = [model.save(out_dir / "model.safetensors")]
+    files.append(plots.save(plots.plot_training(res.history, title=f"{args.task}: training loss and accuracy (held-out accuracy {res.accuracy:.3f})"), out_dir / "loss.png"))
+    x, _, _ = tr.make_batch(args.task, 1, np.random.default_rng([args.seed, 4]))
+    _, _, weights = model.forward(x, want_weights=True)  # per layer (1, H, T, T)
+    tokens = [str(t) for t in x[0]]
+    from . import explorer, masks
+
+    T = len(tokens)
+    for i, w in enumerate(weights):
+        best = {name: int(np.argmax(s[i])) for name, s in scores.items()}
+        note = ", ".join(f"{name.replace('_', '-')} head: {h} ({scores[name][i, h]:.2f})" for name, h in best.items())
+        fig = plots.plot_attention(w[0], tokens, mask=masks.causal(T), title=f"{args.task}, layer {i}: {note}", annotate=False)
+        files.append(plots.save(fig, out_dir / f"heads_layer{i}.png"))
+    files.append(explorer.write_html(out_dir / "heads.html", [w[0] for w in weights], tokens, mask=masks.causal(T), title=f"qkv train {args.task}: the learned heads"))
+    result = {"task": args.task, "steps": res.steps, "accuracy": res.accuracy, "loss": res.loss, "seconds": round(res.seconds, 2),
+              "heads": {name: np.round(s, 3).tolist() for name, s in scores.items()}, "files": [str(f) for f in files]}  # fmt: skip
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"\nheld-out accuracy {res.accuracy:.4f}, loss {res.loss:.4f}, {res.seconds:.1f} s")
+    for name, s in scores.items():
+        layer, head = np.unravel_index(np.argmax(s), s.shape)
+        print(f"strongest {name.replace('_', '-')} head: layer {layer} head {head} ({s[layer, head]:.2f} of its weight)")
+    print(f"wrote {len(files)} files:")
+    for f in files:
+        print(f"  {f}")
+    return 0
+
+
 # ------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkv", description="qkv: attention from scratch, done right.")
@@ -567,6 +621,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")
     gen.add_argument("--json", action="store_true", help="print JSON: prompt, text, token ids, timings (no streaming)")
     gen.set_defaults(func=cmd_generate)
+
+    trn = sub.add_parser(
+        "train",
+        help="train a small transformer from scratch in NumPy and look at what its attention learned",
+        description=(
+            "Train a 2-layer attention-only transformer on TASK with qkv's own gradients (no autograd), "
+            "print progress, and write the loss curve, the learned heads (PNG and an HTML explorer) and the "
+            "weights (safetensors, loadable with qkv.train.load) to --out."
+        ),
+    )
+    trn.add_argument("task", nargs="?", default="induction", metavar="TASK", help="induction (default) or reverse")
+    trn.add_argument("--steps", type=int, help="optimizer steps (default: 1500 for induction, 300 for reverse)")
+    trn.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0): the same seed gives the same weights")
+    trn.add_argument("--out", default="qkv-train", help="folder for the pictures and weights (default ./qkv-train/)")
+    trn.add_argument("--json", action="store_true", help="print the final metrics as JSON (progress goes to stderr)")
+    trn.set_defaults(func=cmd_train)
     return parser
 
 

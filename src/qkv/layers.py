@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._checks import as_array, as_rng, check_fits, check_int
-from .attention import scaled_dot_product_attention
+from .attention import scaled_dot_product_attention, scaled_dot_product_attention_vjp
 from .heads import merge_heads, split_heads
 
 __all__ = ["MultiHeadAttention", "AttentionTrace"]
@@ -350,6 +350,66 @@ class MultiHeadAttention:
         if return_trace:
             extra.append(self._trace(q, k, v, mask, bias, is_causal, weights, ctx, merged, out))
         return (out, *extra) if extra else out
+
+    def vjp(self, query, key=None, value=None, *, mask=None, bias=None, is_causal: bool = False, implementation: str = "auto"):
+        """The layer's output and its vector-Jacobian product: ``(output, vjp)``.
+
+        ``vjp(d_output)`` returns ``(d_query, d_key, d_value, grads)``:
+        the gradients with respect to the inputs (``d_key`` and ``d_value``
+        are None for self-attention, where ``d_query`` has all three paths;
+        ``d_value`` is None when ``value`` defaulted to ``key``) and a dict
+        of the parameters' gradients under their attribute names
+        (``"w_query"``, ..., ``"b_out"``). Each projection ``y = x @ w + b``
+        gives ``dw = x^T dy``, ``db = sum(dy)``, ``dx = dy @ w^T``; between
+        them is :func:`qkv.scaled_dot_product_attention_vjp`.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from qkv import MultiHeadAttention
+        >>> mha = MultiHeadAttention(8, 2, rng=0)
+        >>> x = np.random.default_rng(1).standard_normal((3, 5, 8)).astype(np.float32)
+        >>> out, vjp = mha.vjp(x, is_causal=True)
+        >>> dx, _, _, grads = vjp(np.ones_like(out))
+        >>> dx.shape, sorted(grads)
+        ((3, 5, 8), ['b_key', 'b_out', 'b_query', 'b_value', 'w_key', 'w_out', 'w_query', 'w_value'])
+        """
+        q_in, k_in, v_in = self._inputs(query, key, value)
+        q = self._project(q_in, self.w_query, self.b_query)  # (B, L, H * D)
+        k = self._project(k_in, self.w_key, self.b_key)  # (B, S, Hk * D)
+        v = self._project(v_in, self.w_value, self.b_value)  # (B, S, Hk * D)
+        ctx, attention_vjp = scaled_dot_product_attention_vjp(
+            split_heads(q, self.num_heads), split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads),
+            mask=mask, bias=bias, is_causal=is_causal, implementation=implementation,
+        )  # fmt: skip
+        merged = merge_heads(ctx)  # (B, L, H * D)
+        out = self.project_out(merged)  # (B, L, E)
+
+        def flat(x):  # (..., N) -> (rows, N): the batch and length axes together
+            return x.reshape(-1, x.shape[-1])
+
+        def vjp(d_output):
+            d = as_array(d_output, "d_output")
+            if d.shape != out.shape:
+                raise ValueError(f"d_output shape should be {out.shape} (the output's), got {d.shape}")
+            d = d.astype(self.dtype, copy=False)
+            grads = {"w_out": flat(merged).T @ flat(d)}
+            d_ctx = split_heads(d @ self.w_out.T, self.num_heads)  # (B, H, L, D)
+            dq, dk, dv, _ = attention_vjp(d_ctx)
+            dq, dk, dv = merge_heads(dq), merge_heads(dk), merge_heads(dv)  # (B, L, H * D), (B, S, Hk * D) x 2
+            for name, x, dy in (("query", q_in, dq), ("key", k_in, dk), ("value", v_in, dv)):
+                grads[f"w_{name}"] = flat(x).T @ flat(dy)
+            if self.use_bias:
+                for name, dy in (("query", dq), ("key", dk), ("value", dv), ("out", d)):
+                    grads[f"b_{name}"] = flat(dy).sum(axis=0)
+            dx_q, dx_k, dx_v = dq @ self.w_query.T, dk @ self.w_key.T, dv @ self.w_value.T
+            if key is None:  # self-attention: one input feeds all three projections
+                return dx_q + dx_k + dx_v, None, None, grads
+            if value is None:  # value defaulted to key
+                return dx_q, dx_k + dx_v, None, grads
+            return dx_q, dx_k, dx_v, grads
+
+        return out, vjp
 
     def _trace(self, q, k, v, mask, bias, is_causal, weights, ctx, merged, out) -> AttentionTrace:
         # Only runs when a trace is asked for; recomputes the scores the fused

@@ -17,7 +17,7 @@ import numpy as np
 
 from ._checks import as_array, as_bool_mask, check_broadcast, check_int, float_dtype
 
-__all__ = ["softmax", "logsumexp"]
+__all__ = ["softmax", "logsumexp", "softmax_vjp", "logsumexp_vjp"]
 
 
 def __dir__():  # what dir() and tab completion list: the API, not the imports
@@ -139,3 +139,80 @@ def logsumexp(x, axis: int = -1, *, where=None, keepdims: bool = False) -> np.nd
     x, where = _prepare(x, axis, where)
     _, out = softmax_(x.copy(), axis, where, want_lse=True)
     return np.expand_dims(out, axis) if keepdims else out
+
+
+def _grad_pair(y, dy, names):
+    y, dy = as_array(y, names[0]), as_array(dy, names[1])
+    if dy.shape != y.shape:
+        raise ValueError(f"{names[1]} shape should be {y.shape} (the {names[0]}'s), got {dy.shape}")
+    dtype = float_dtype(y, dy)
+    return y.astype(dtype, copy=False), dy.astype(dtype, copy=False)
+
+
+def softmax_vjp(weights, d_weights, axis: int = -1) -> np.ndarray:
+    """The gradient through a softmax, from its output: ``dx = y * (dy - sum(dy * y))``.
+
+    With ``y = softmax(x)`` the Jacobian is ``diag(y) - y y^T``, so
+    ``dx_i = y_i dy_i - y_i sum_j y_j dy_j``: no need to keep ``x``, nor to
+    form the N x N Jacobian. Masked entries (``y == 0``) get zero, and so
+    does a row with nothing kept.
+
+    Parameters
+    ----------
+    weights : array_like, shape (..., N)
+        ``softmax(x, axis)``, the forward's output.
+    d_weights : array_like, shape (..., N)
+        The loss's gradient with respect to the weights.
+    axis : int, default -1
+
+    Returns
+    -------
+    ndarray, shape (..., N)
+        The loss's gradient with respect to ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import softmax, softmax_vjp
+    >>> y = softmax(np.array([1.0, 2.0, 3.0]))
+    >>> dx = softmax_vjp(y, np.array([0.0, 0.0, 1.0]))  # gradient of y[2]
+    >>> bool(np.isclose(dx.sum(), 0.0))  # adding a constant to x changes nothing
+    True
+    """
+    y, dy = _grad_pair(weights, d_weights, ("weights", "d_weights"))
+    axis = check_int(axis, "axis")
+    if not -y.ndim <= axis < max(y.ndim, 1):
+        raise ValueError(f"axis should be in [{-y.ndim}, {y.ndim - 1}] for weights of shape {y.shape}, got {axis}")
+    return y * (dy - (dy * y).sum(axis=axis, keepdims=True))
+
+
+def logsumexp_vjp(x, d_lse, axis: int = -1, *, where=None) -> np.ndarray:
+    """The gradient through ``logsumexp``: ``dx = softmax(x) * d_lse``.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., N)
+        The forward's input.
+    d_lse : array_like, shape (...,)
+        The loss's gradient with respect to the log-sum-exp.
+    axis : int, default -1
+    where : array_like of bool, broadcastable to ``x.shape``, optional
+        The forward's keep-mask: masked entries get zero.
+
+    Returns
+    -------
+    ndarray, shape (..., N)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import logsumexp_vjp
+    >>> logsumexp_vjp(np.log(np.array([1.0, 3.0])), np.array(2.0))
+    array([0.5, 1.5])
+    """
+    w = softmax(x, axis, where=where)
+    d = as_array(d_lse, "d_lse")
+    want = np.delete(np.array(w.shape), axis % max(w.ndim, 1)).tolist() if w.ndim else []
+    if list(d.shape) != want:
+        raise ValueError(f"d_lse shape should be {tuple(want)} (x's without axis {axis}), got {d.shape}")
+    return w * np.expand_dims(d.astype(w.dtype, copy=False), axis)

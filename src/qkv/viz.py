@@ -34,6 +34,7 @@ __all__ = [
     "plot_position_encoding",
     "plot_embedding_shift",
     "plot_score_variance",
+    "plot_training",
     "pca_2d",
     "save",
 ]
@@ -431,6 +432,35 @@ def plot_score_variance(stats: dict, *, title: str = "Why scale the scores by 1/
     right.set_ylabel("mean of the largest softmax weight")
     right.set_title("Unscaled softmax saturates: one key takes all")
     right.legend(fontsize=8)
+    right.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    return _finish(fig, path)
+
+
+def plot_training(history, *, title: str = "Training", path=None) -> Figure:
+    """Loss and accuracy over training steps, from ``qkv.train``'s history of (step, loss, accuracy).
+
+    Examples
+    --------
+    >>> from qkv import viz
+    >>> fig = viz.plot_training([(10, 2.0, 0.1), (20, 1.0, 0.6), (30, 0.1, 0.99)])
+    >>> [ax.get_ylabel() for ax in fig.axes]
+    ['cross-entropy (log scale)', 'accuracy on the scored positions']
+    """
+    h = np.asarray(history, dtype=float)
+    if h.ndim != 2 or h.shape[1] != 3 or not len(h):
+        raise ValueError(f"history should be a list of (step, loss, accuracy), got shape {h.shape}")
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.plot(h[:, 0], h[:, 1], "-", color="#d62728")
+    left.set_yscale("log")
+    left.set_xlabel("step")
+    left.set_ylabel("cross-entropy (log scale)")
+    left.grid(True, which="both", alpha=0.3)
+    right.plot(h[:, 0], h[:, 2], "-", color="#1f77b4")
+    right.set_ylim(0, 1.02)
+    right.set_xlabel("step")
+    right.set_ylabel("accuracy on the scored positions")
     right.grid(True, alpha=0.3)
     fig.suptitle(title)
     return _finish(fig, path)

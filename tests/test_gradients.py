@@ -218,3 +218,33 @@ def test_softmax_and_logsumexp_vjps_match_torch(torch):
     with pytest.raises(ValueError, match=r"d_lse shape should be \(3,\)"):
         logsumexp_vjp(x, np.ones(7))
     assert float(logsumexp(x[0])) == pytest.approx(float(torch.logsumexp(torch.tensor(x[0]), 0)))
+
+
+@settings(max_examples=25)
+@given(problems())
+def test_tiled_and_direct_gradients_agree(problem):
+    rng, dtype, q, k, v, kw = problem
+    out_t, vjp_t = sdpa_vjp(q, k, v, implementation="tiled", **kw)
+    out_d, vjp_d = sdpa_vjp(q, k, v, implementation="direct", **kw)
+    d = rng.standard_normal(out_t.shape).astype(dtype)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == np.float64 else dict(rtol=1e-4, atol=1e-5)
+    for a, b in zip(vjp_t(d), vjp_d(d)):
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_allclose(a, b, **tol)
+
+
+@settings(max_examples=25)
+@given(problems(), st.sampled_from(["direct", "tiled"]))
+def test_gradients_through_masked_keys_are_exactly_zero(problem, implementation):
+    rng, dtype, q, k, v, kw = problem
+    S = k.shape[-2]
+    hidden = rng.random(S) < 0.4  # keys no query may see
+    kw["mask"] = np.broadcast_to(~hidden, (q.shape[-2], S)) & (kw["mask"] if "mask" in kw else True)
+    out, vjp = sdpa_vjp(q, k, v, implementation=implementation, **kw)
+    dq, dk, dv, db = vjp(rng.standard_normal(out.shape).astype(dtype))
+    assert np.all(dk[..., hidden, :] == 0) and np.all(dv[..., hidden, :] == 0)
+    if db is not None and db.shape[-1] == S:
+        assert np.all(db[..., hidden] == 0)
+    assert all(np.isfinite(g).all() for g in (dq, dk, dv))

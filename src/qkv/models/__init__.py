@@ -7,6 +7,7 @@
 """
 
 from .bert import BertConfig, BertModel, BertOutput
+from .corpus import Index, embed_file, iter_texts
 from .causal_lm import default_causal_lm_path, load_causal_lm
 from .decoder import CausalLM, CausalLMOutput, DecoderConfig, GenerateOutput
 from .encoder import EncoderOutput, SentenceEncoder, default_model_dir, load_model
@@ -21,10 +22,13 @@ __all__ = [
     "DecoderConfig",
     "EncoderOutput",
     "GenerateOutput",
+    "Index",
     "ModelError",
     "SentenceEncoder",
     "default_causal_lm_path",
     "default_model_dir",
+    "embed_file",
+    "iter_texts",
     "load_causal_lm",
     "load_model",
 ]

@@ -154,16 +154,27 @@ class SentenceEncoder:
             attentions=out.attentions,
         )
 
-    def encode(self, texts: Sequence[str], *, batch_size: int = 32) -> np.ndarray:
-        """Sentence embeddings, ``(N, E)`` float32, in the order of ``texts``.
+    def encode(self, texts, *, batch_size: int = 32, progress: bool = False) -> np.ndarray:
+        """Sentence embeddings, ``(N, E)`` float32, in the order of ``texts`` (any iterable of str).
 
         Texts are sorted by length and run in batches of ``batch_size``, so
-        little padding is computed; the results do not depend on batching.
+        little padding is computed; the results do not depend on batching
+        beyond float rounding. ``progress`` shows a bar on stderr (tqdm).
+        For a corpus larger than memory, see :func:`qkv.models.corpus.embed_file`.
         """
         texts = _texts(texts)
+        if batch_size < 1:
+            raise ValueError(f"batch_size should be >= 1, got {batch_size}")
         order = np.argsort([-len(t) for t in texts], kind="stable")
         out = np.empty((len(texts), self.model.config.hidden_size), np.float32)
-        for start in range(0, len(texts), batch_size):
+        starts = range(0, len(texts), batch_size)
+        if progress:
+            import sys
+
+            from tqdm import tqdm
+
+            starts = tqdm(starts, unit="batch", file=sys.stderr, desc="embedding")
+        for start in starts:
             idx = order[start : start + batch_size]
             out[idx] = self.encode_batch([texts[i] for i in idx]).sentence_embeddings
         return out

@@ -1,0 +1,243 @@
+"""Embed a corpus on one machine: stream a file, write a ``.npy`` as you go, resume, search it.
+
+Row ``i`` of the output is always line ``i`` of the input (an empty line gets
+the embedding of the empty text). Lines are read in chunks of
+``batch_size * chunk_batches``; each chunk is sorted by length into batches
+(little padding), embedded, and written into a memory-mapped ``.npy``, so
+neither the corpus nor its embeddings need to fit in memory. After each
+chunk a small ``OUT.npy.progress.json`` records how far the run got: a run
+stopped by Ctrl-C or a kill goes on from there with ``resume=True``, and the
+result equals an uninterrupted run bit for bit (the chunks, and so the
+batches, are the same).
+
+:class:`Index` searches the embeddings by cosine similarity, exactly (a
+blocked matrix product over the memory-mapped rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from .._files import write_atomic
+
+__all__ = ["iter_texts", "embed_file", "Index"]
+
+
+def __dir__():
+    return sorted(__all__)
+
+
+def _decode(raw: bytes, number: int, errors: str, source: str) -> str:
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source}: line {number} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start} of the line): fix the file or pass errors='replace' (--errors replace)") from None
+
+
+def iter_texts(path, *, format: str = "text", field: str = "text", errors: str = "strict"):
+    """Yield each line's text, in order, from a file (one text per line, or JSON Lines).
+
+    Parameters
+    ----------
+    path : str or Path
+    format : {"text", "jsonl"}
+        ``"jsonl"``: each line is a JSON object and its ``field`` the text.
+    errors : {"strict", "replace"}
+        Bytes that are not UTF-8: a ``ValueError`` naming the line, or U+FFFD.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.txt"
+    >>> _ = p.write_bytes(b"one\\n\\nthree\\r\\n")
+    >>> list(iter_texts(p))
+    ['one', '', 'three']
+    """
+    if format not in ("text", "jsonl"):
+        raise ValueError(f"format should be 'text' or 'jsonl', got {format!r}")
+    if errors not in ("strict", "replace"):
+        raise ValueError(f"errors should be 'strict' or 'replace', got {errors!r}")
+    source = str(path)
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decode(raw.rstrip(b"\n").rstrip(b"\r"), number, errors, source)
+            if format == "text":
+                yield line
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{source}: line {number} is not JSON ({exc.msg} at column {exc.colno})") from None
+            text = obj.get(field) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{source}: line {number} has no string field {field!r} (pass --field NAME)")
+            yield text
+
+
+def _count_lines(path) -> int:
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")  # a last line without a newline counts too
+
+
+def _chunks(texts, size: int):
+    chunk = []
+    for t in texts:
+        chunk.append(t)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def embed_file(encoder, source, output, *, format: str = "text", field: str = "text", errors: str = "strict", batch_size: int = 32, chunk_batches: int = 16, resume: bool = False, progress: bool | None = None, on_chunk=None) -> dict:
+    """Embed every line of ``source`` (a path, or ``"-"`` for standard input) into ``output`` (.npy).
+
+    Parameters
+    ----------
+    encoder : qkv.models.SentenceEncoder
+    source : str or Path
+    output : str or Path
+        A ``.npy`` of shape (lines, E), float32, written as it goes.
+    resume : bool
+        Go on from where an interrupted run into ``output`` stopped.
+    progress : bool, optional
+        A progress bar on stderr (tqdm); default: when stderr is a terminal.
+    on_chunk : callable, optional
+        ``on_chunk(rows_done)`` after each chunk is written (tests stop a run there).
+
+    Returns
+    -------
+    dict
+        ``rows``, ``dim``, ``output``, ``resumed_from`` and ``truncated`` (texts
+        longer than the model's ``max_seq_length``, cut, with one warning).
+    """
+    output = Path(output)
+    if output.suffix != ".npy":
+        raise ValueError(f"output should end in .npy, got {str(output)!r}")
+    marker = output.with_name(output.name + ".progress.json")
+    tmp = None
+    if str(source) == "-":  # standard input is read once: keep it, so the lines can be counted and resumed
+        if resume:
+            raise ValueError("resume needs a file as input, not standard input")
+        tmp = tempfile.NamedTemporaryFile(prefix="qkv-embed-", delete=False)
+        tmp.write(sys.stdin.buffer.read())
+        tmp.close()
+        source = tmp.name
+    try:
+        return _embed(encoder, Path(source), output, marker, format, field, errors, batch_size, chunk_batches, resume, progress, on_chunk)
+    finally:
+        if tmp is not None:
+            os.unlink(tmp.name)
+
+
+def _embed(encoder, source, output, marker, format, field, errors, batch_size, chunk_batches, resume, progress, on_chunk):
+    if batch_size < 1 or chunk_batches < 1:
+        raise ValueError(f"batch_size and chunk_batches should be >= 1, got {batch_size} and {chunk_batches}")
+    stat = source.stat()
+    n = _count_lines(source)
+    dim = encoder.model.config.hidden_size
+    chunk = batch_size * chunk_batches
+    state = {"source": str(source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "lines": n, "chunk": chunk, "format": format, "field": field, "errors": errors}
+    done = 0
+    if resume:
+        if not marker.is_file() or not output.is_file():
+            raise ValueError(f"nothing to resume: {output} has no {marker.name} (the run finished, or never started)")
+        saved = json.loads(marker.read_text())
+        differs = [k for k in state if saved.get(k) != state[k]]
+        if differs:
+            raise ValueError(f"cannot resume {output}: {', '.join(differs)} changed since the interrupted run")
+        done = int(saved["rows"])
+        out = np.lib.format.open_memmap(output, mode="r+")
+        if out.shape != (n, dim) or out.dtype != np.float32:
+            raise ValueError(f"cannot resume {output}: it holds {out.shape} {out.dtype}, expected ({n}, {dim}) float32")
+    else:
+        out = np.lib.format.open_memmap(output, mode="w+", dtype=np.float32, shape=(n, dim))
+    resumed_from = done
+    bar = None
+    if progress or (progress is None and sys.stderr.isatty()):
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, initial=done, unit="texts", file=sys.stderr, desc="embedding", dynamic_ncols=True)
+    truncated = 0
+    try:
+        row = 0
+        for texts in _chunks(iter_texts(source, format=format, field=field, errors=errors), chunk):
+            if row + len(texts) <= done:  # written by the interrupted run
+                row += len(texts)
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out[row : row + len(texts)] = encoder.encode(texts, batch_size=batch_size)
+            for w in caught:  # the truncation warnings become one, at the end; others pass on
+                if "longer than max_seq_length" in str(w.message):
+                    truncated += 1
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            row += len(texts)
+            out.flush()
+            write_atomic(marker, lambda f: f.write(json.dumps({**state, "rows": row}).encode()))
+            if bar is not None:
+                bar.update(len(texts))
+            if on_chunk is not None:
+                on_chunk(row)
+    finally:
+        if bar is not None:
+            bar.close()
+        del out
+    marker.unlink()
+    if truncated:
+        warnings.warn(f"{truncated} texts were longer than max_seq_length={encoder.max_seq_length} tokens and were truncated to it", stacklevel=2)
+    return {"rows": n, "dim": dim, "output": str(output), "resumed_from": resumed_from, "truncated": truncated}
+
+
+class Index:
+    """Exact cosine search over embeddings in a ``.npy`` (memory-mapped: it may exceed memory).
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "e.npy"
+    >>> np.save(p, np.array([[1, 0], [0, 1], [1, 1]], np.float32))
+    >>> Index(p).search(np.array([1.0, 0.1]), k=2)
+    (array([0, 2]), array([0.995..., 0.77...], dtype=float32))
+    """
+
+    def __init__(self, path, *, block_rows: int = 65536):
+        self.path = Path(path)
+        self.vectors = np.load(self.path, mmap_mode="r")
+        if self.vectors.ndim != 2:
+            raise ValueError(f"{self.path}: embeddings should be (N, E), got shape {self.vectors.shape}")
+        self.block_rows = block_rows
+
+    def __len__(self) -> int:
+        return len(self.vectors)
+
+    def search(self, query, k: int = 10):
+        """The ``k`` rows most similar to ``query`` (E,) by cosine: (row indices, similarities), best first."""
+        q = np.asarray(query, np.float32)
+        if q.shape != (self.vectors.shape[1],):
+            raise ValueError(f"query shape should be ({self.vectors.shape[1]},), got {q.shape}")
+        if k < 1:
+            raise ValueError(f"k should be >= 1, got {k}")
+        q = q / max(float(np.linalg.norm(q)), 1e-12)
+        best_i, best_s = np.empty(0, np.int64), np.empty(0, np.float32)
+        for start in range(0, len(self.vectors), self.block_rows):
+            block = np.asarray(self.vectors[start : start + self.block_rows], np.float32)
+            s = block @ q / np.maximum(np.linalg.norm(block, axis=1), 1e-12)  # cosine of every row in the block
+            top = np.argpartition(-s, min(k, len(s)) - 1)[:k] if len(s) > k else np.arange(len(s))
+            best_i, best_s = np.concatenate([best_i, top + start]), np.concatenate([best_s, s[top]])
+            keep = np.lexsort((best_i, -best_s))[:k]  # ties: the earlier row first
+            best_i, best_s = best_i[keep], best_s[keep]
+        return best_i, best_s.astype(np.float32)

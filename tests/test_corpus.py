@@ -1,0 +1,129 @@
+"""Embedding a corpus on one machine: streaming into a .npy, order, resume, search, the CLI."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+from qkv.models import Index, embed_file, iter_texts, load_model
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return load_model()
+
+
+def corpus_lines():
+    lines = ["The river bank was steep.", "", "I deposited cash at the bank.", "The river bank was steep.", "  ", "café au lait", "long " * 400, "a cat", "dogs bark", ""]
+    return lines * 7  # 70 lines: several chunks with chunk size 2 x 4
+
+
+def write(tmp_path, lines, name="corpus.txt"):
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return p
+
+
+def test_row_i_is_line_i_with_empty_duplicate_and_long_lines(encoder, tmp_path):
+    lines = corpus_lines()
+    src = write(tmp_path, lines)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = embed_file(encoder, src, tmp_path / "e.npy", batch_size=4, chunk_batches=2)
+    cut = [w for w in caught if "truncated" in str(w.message)]
+    assert len(cut) == 1 and str(cut[0].message).startswith("7 texts were longer than max_seq_length=256")  # once, not per line
+    got = np.load(tmp_path / "e.npy")
+    assert got.shape == (70, 384) and got.dtype == np.float32 and res["rows"] == 70
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = encoder.encode(lines)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[0], got[3], atol=1e-6)  # duplicate lines: the same row (to rounding: other batches)
+    assert not (tmp_path / "e.npy.progress.json").exists()
+
+
+@pytest.mark.filterwarnings("ignore:.* texts were longer than max_seq_length")
+def test_an_interrupted_run_resumes_bit_for_bit(encoder, tmp_path):
+    src = write(tmp_path, corpus_lines())
+    embed_file(encoder, src, tmp_path / "full.npy", batch_size=4, chunk_batches=2)
+
+    def stop(rows):
+        if rows >= 24:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        embed_file(encoder, src, tmp_path / "part.npy", batch_size=4, chunk_batches=2, on_chunk=stop)
+    assert json.loads((tmp_path / "part.npy.progress.json").read_text())["rows"] == 24
+    res = embed_file(encoder, src, tmp_path / "part.npy", batch_size=4, chunk_batches=2, resume=True)
+    assert res["resumed_from"] == 24
+    np.testing.assert_array_equal(np.load(tmp_path / "part.npy"), np.load(tmp_path / "full.npy"))
+    with pytest.raises(ValueError, match="nothing to resume"):
+        embed_file(encoder, src, tmp_path / "part.npy", resume=True)
+
+
+@pytest.mark.filterwarnings("ignore:.* texts were longer than max_seq_length")
+def test_resume_refuses_a_changed_input(encoder, tmp_path):
+    src = write(tmp_path, corpus_lines())
+    with pytest.raises(KeyboardInterrupt):
+        embed_file(encoder, src, tmp_path / "p.npy", batch_size=4, chunk_batches=2, on_chunk=lambda rows: (_ for _ in ()).throw(KeyboardInterrupt()))
+    write(tmp_path, corpus_lines()[:-1])
+    with pytest.raises(ValueError, match=r"cannot resume .*p\.npy: size, mtime_ns, lines changed"):
+        embed_file(encoder, src, tmp_path / "p.npy", batch_size=4, chunk_batches=2, resume=True)
+
+
+def test_bad_bytes_and_jsonl(encoder, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\nalso fine\ncaf\xe9\n")
+    with pytest.raises(ValueError, match=r"bad.txt: line 3 is not valid UTF-8 \(byte 0xe9 at byte 3 of the line\)"):
+        list(iter_texts(bad))
+    assert list(iter_texts(bad, errors="replace"))[2] == "caf\ufffd"
+    js = tmp_path / "c.jsonl"
+    js.write_text('{"text": "a cat"}\n{"body": "x", "text": ""}\n{"text": "dogs bark"}\n')
+    embed_file(encoder, js, tmp_path / "j.npy", format="jsonl")
+    np.testing.assert_allclose(np.load(tmp_path / "j.npy"), encoder.encode(["a cat", "", "dogs bark"]), atol=1e-6)
+    js.write_text('{"text": "a"}\n{"title": "b"}\n')
+    with pytest.raises(ValueError, match="line 2 has no string field 'text'"):
+        list(iter_texts(js, format="jsonl"))
+
+
+def test_index_search_is_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((1000, 16)).astype(np.float32)
+    np.save(tmp_path / "v.npy", vectors)
+    index = Index(tmp_path / "v.npy", block_rows=128)  # many blocks
+    q = rng.standard_normal(16)
+    rows, scores = index.search(q, k=7)
+    cos = vectors.astype(np.float64) @ q / (np.linalg.norm(vectors, axis=1) * np.linalg.norm(q))
+    want = np.argsort(-cos, kind="stable")[:7]
+    np.testing.assert_array_equal(rows, want)
+    np.testing.assert_allclose(scores, cos[want], rtol=1e-5)
+    assert Index(tmp_path / "v.npy").search(q, k=5000)[0].shape == (1000,)
+    with pytest.raises(ValueError, match=r"query shape should be \(16,\)"):
+        index.search(np.ones(3))
+
+
+def test_embed_and_search_commands(tmp_path):
+    lines = ["The river bank was steep.", "I deposited cash at the bank.", "", "Dogs bark at night.", "The stock market fell."]
+    src = write(tmp_path, lines)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "qkv", *a], capture_output=True, text=True, cwd=tmp_path, timeout=120)  # noqa: E731
+    r = run("embed", "--input", str(src), "--output", "idx.npy")
+    assert r.returncode == 0, r.stderr
+    assert "wrote idx.npy: 5 x 384 float32 embeddings" in r.stderr and r.stdout == ""
+    r = run("search", "money in a bank account", "--index", "idx.npy", "--texts", str(src), "-k", "2", "--json")
+    got = json.loads(r.stdout)
+    assert got["rows"][0] == 1 and got["lines"][0] == lines[1]
+    r = subprocess.run([sys.executable, "-m", "qkv", "embed", "--input", "-", "--output", "stdin.npy"], input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "stdin.npy"), np.load(tmp_path / "idx.npy"))
+    for args, message in (
+        (["embed", "--input", str(src)], "--input needs --output FILE.npy"),
+        (["embed", "a", "--input", str(src), "--output", "x.npy"], "give TEXT arguments or --input, not both"),
+        (["embed"], "give TEXT arguments, or --input FILE"),
+        (["embed", "a", "--resume"], "--resume has no effect without --input"),
+        (["search", "q", "--index", "missing.npy"], "--index 'missing.npy' is not a file"),
+    ):
+        r = run(*args)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)

@@ -342,6 +342,8 @@ def _embed_input(args) -> int:
         raise CLIError(f"--input {args.input!r} is not a file")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size should be >= 1, got {args.batch_size}")
+    if args.workers is not None or args.scheduler is not None:
+        return _embed_dask(args)
     enc = _load(args.model)
     res = embed_file(enc, args.input, args.output, format=args.format, field=args.field, errors=args.errors, batch_size=args.batch_size, resume=args.resume, progress=False if args.quiet else None)
     note = f", resumed at row {res['resumed_from']}" if res["resumed_from"] else ""
@@ -349,11 +351,43 @@ def _embed_input(args) -> int:
     return 0
 
 
+def _embed_dask(args) -> int:
+    """qkv embed --input FILE --workers N | --scheduler ADDRESS: the same, as Dask tasks."""
+    if args.workers is not None and args.scheduler is not None:
+        raise CLIError("give --workers (a local cluster) or --scheduler (an existing one), not both")
+    if args.workers is not None and args.workers < 1:
+        raise CLIError(f"--workers should be >= 1, got {args.workers}")
+    if args.resume:
+        raise CLIError("--resume works without Dask only (a Dask run retries lost tasks instead)")
+    if args.input == "-":
+        raise CLIError("--workers/--scheduler need a file as --input, not standard input")
+    try:
+        from dask.distributed import Client
+
+        from .models.cluster import embed_corpus
+    except ImportError:
+        raise CLIError("--workers and --scheduler need Dask: pip install 'qkv[dask]'") from None
+    model = _model_path(args.model, ENCODER_NAME)
+    client = None
+    if args.scheduler is not None:
+        try:
+            client = Client(args.scheduler, timeout=10)
+        except OSError as exc:
+            raise CLIError(f"cannot reach the Dask scheduler at --scheduler {args.scheduler!r}: {exc}") from None
+    try:
+        res = embed_corpus(Path(args.input), args.output, client=client, workers=args.workers, model=model, format=args.format, field=args.field, errors=args.errors, batch_size=args.batch_size)
+    finally:
+        if client is not None:
+            client.close()
+    print(f"wrote {res['output']}: {res['rows']} x {res['dim']} float32 embeddings, {res['partitions']} partitions on {len(res['worker_pids'])} Dask workers", file=sys.stderr)
+    return 0
+
+
 def cmd_embed(args) -> int:
     if args.input is not None:
         return _embed_input(args)
-    for name in ("resume", "quiet"):
-        if getattr(args, name):
+    for name in ("resume", "quiet", "workers", "scheduler"):
+        if getattr(args, name) not in (None, False):
             raise CLIError(f"--{name} has no effect without --input")
     if not args.texts:
         raise CLIError("give TEXT arguments, or --input FILE (one text per line) with --output FILE.npy")
@@ -660,6 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--batch-size", type=int, default=32, help="texts per batch (default 32)")
     embed.add_argument("--resume", action="store_true", help="go on with an interrupted --input run into the same --output")
     embed.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    embed.add_argument("--workers", type=int, help="embed --input on a local Dask cluster of N worker processes (needs qkv[dask])")
+    embed.add_argument("--scheduler", metavar="ADDRESS", help="embed --input on an existing Dask cluster, e.g. tcp://host:8786 (the model must be installed on every worker)")
     embed.set_defaults(func=cmd_embed)
 
     search = sub.add_parser("search", help="the lines of a corpus closest in meaning to QUERY", description="Embed QUERY and print the K rows of --index (from qkv embed --input) most similar by cosine, exactly, with their lines from --texts.")

@@ -1,0 +1,129 @@
+"""Embedding a corpus: texts/s of qkv (one process, and Dask with 1 and 2 workers) vs sentence-transformers, and memory.
+
+Run:  python benchmarks/bench_corpus.py [--lines 20000] [--big 100000]
+
+The corpus: ``--lines`` lines of mixed length (3 to 60 words, drawn with a fixed seed from a
+word list). Throughput: ``qkv.models.embed_file`` (streamed into a .npy), ``embed_corpus`` on a
+LocalCluster of 1 and 2 worker processes, and sentence-transformers' ``encode`` (batch 32,
+torch on the same threads), same lines. Memory: peak resident set of a separate
+``qkv embed --input`` process on 10,000 and ``--big`` lines (Linux: VmHWM), to show it stays
+flat as the corpus grows. Prints a table and rewrites the "corpus" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _report import machine, write_section  # noqa: E402
+
+WORDS = (
+    "the a model attention river bank money cash sat deposited query key value head layer token sentence "
+    "quickly slowly because although transformer encoder decoder weights softmax gradient matrix vector "
+    "learns reads writes computes city mountain teacher student music guitar plays sings runs walks over "
+    "under between with without and or but not very more less green blue red small large ancient modern"
+).split()
+
+
+def corpus(path: Path, n: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(" ".join(rng.choice(WORDS, size=int(rng.integers(3, 61)))).capitalize() + ".\n")
+
+
+def peak_rss_mib(args: list[str]) -> float:
+    """Peak resident set of a child process, in MiB (from /proc/<pid>/status VmHWM at its end)."""
+    code = (
+        "import sys, runpy, atexit\n"
+        "def report():\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith('VmHWM'): sys.stderr.write('PEAK ' + line.split()[1] + '\\n')\n"
+        "atexit.register(report)\n"
+        f"sys.argv = ['qkv'] + {args!r}\n"
+        "from qkv.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int([ln for ln in r.stderr.splitlines() if ln.startswith("PEAK")][-1].split()[1]) / 1024
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lines", type=int, default=20000)
+    ap.add_argument("--big", type=int, default=100000)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    threads = os.cpu_count() or 1
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from qkv.models import default_model_dir, embed_file, load_model
+    from qkv.models.cluster import embed_corpus
+
+    torch.set_num_threads(threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        src = tmp / "corpus.txt"
+        corpus(src, args.lines)
+        lines = src.read_text().splitlines()
+        enc = load_model()
+        t0 = time.perf_counter()
+        embed_file(enc, src, tmp / "qkv.npy", progress=False)
+        rows.append(("qkv embed_file (one process)", time.perf_counter() - t0))
+        print(rows[-1], flush=True)
+        for w in (1, 2):
+            t0 = time.perf_counter()
+            embed_corpus(src, tmp / f"dask{w}.npy", workers=w)
+            rows.append((f"qkv embed_corpus, Dask LocalCluster, {w} worker{'s' if w > 1 else ''} (incl. start-up)", time.perf_counter() - t0))
+            print(rows[-1], flush=True)
+        st = SentenceTransformer(str(default_model_dir()), device="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            ref = st.encode(lines, batch_size=32, convert_to_numpy=True)
+            rows.append(("sentence-transformers encode (torch)", time.perf_counter() - t0))
+        print(rows[-1], flush=True)
+        diff = float(np.abs(np.load(tmp / "qkv.npy") - ref).max())
+        diff_dask = float(np.abs(np.load(tmp / "dask2.npy") - np.load(tmp / "qkv.npy")).max())
+        mem = []
+        for n in (10000, args.big):
+            big = tmp / f"c{n}.txt"
+            corpus(big, n, seed=1)
+            mem.append((n, peak_rss_mib(["embed", "--input", str(big), "--output", str(tmp / f"c{n}.npy"), "--quiet"])))
+            print(mem[-1], flush=True)
+    st_time = rows[-1][1]
+    table = ["| run | seconds | texts/s | vs sentence-transformers |", "|---|---:|---:|---:|"]
+    for name, t in rows:
+        table.append(f"| {name} | {t:.1f} | {args.lines / t:.0f} | x{st_time / t:.2f} |")
+    body = f"""## Corpus embedding: qkv (one process, Dask) vs sentence-transformers
+
+`python benchmarks/bench_corpus.py --lines {args.lines} --big {args.big}` on {machine()}, {threads} threads for
+everyone. {args.lines} lines of 3 to 60 words (mixed length, seeded), all-MiniLM-L6-v2, batch 32. The
+"vs" column is speed relative to sentence-transformers (above 1: faster). Largest difference from
+sentence-transformers' embeddings: {diff:.1e}; Dask (2 workers) vs one process: {diff_dask:.1e}.
+
+{chr(10).join(table)}
+
+Peak resident memory of a `qkv embed --input` process (model, tokenizer, Python and NumPy included):
+{', '.join(f'{n:,} lines: {m:.0f} MiB' for n, m in mem)}: flat, as the input is streamed and the output memory-mapped.
+"""
+    print(body)
+    if not args.no_write:
+        print(f"wrote {write_section('corpus', body)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,12 +2,15 @@
 
 Run:  python benchmarks/bench_corpus.py [--lines 20000] [--big 100000]
 
+(On the 2-core machine of docs/benchmarks.md, 20,000 such lines take about 6 minutes per run;
+the figures there were taken with --lines 3000 --big 50000.)
+
 The corpus: ``--lines`` lines of mixed length (3 to 60 words, drawn with a fixed seed from a
 word list). Throughput: ``qkv.models.embed_file`` (streamed into a .npy), ``embed_corpus`` on a
 LocalCluster of 1 and 2 worker processes, and sentence-transformers' ``encode`` (batch 32,
 torch on the same threads), same lines. Memory: peak resident set of a separate
-``qkv embed --input`` process on 10,000 and ``--big`` lines (Linux: VmHWM), to show it stays
-flat as the corpus grows. Prints a table and rewrites the "corpus" section of docs/benchmarks.md.
+``qkv embed --input`` process on 10,000 and ``--big`` short lines (3 to 8 words; Linux: VmHWM),
+to show it stays flat as the corpus grows. Prints a table and rewrites the "corpus" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ WORDS = (
 ).split()
 
 
-def corpus(path: Path, n: int, seed: int = 0) -> None:
+def corpus(path: Path, n: int, seed: int = 0, words=(3, 60)) -> None:
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(" ".join(rng.choice(WORDS, size=int(rng.integers(3, 61)))).capitalize() + ".\n")
+            f.write(" ".join(rng.choice(WORDS, size=int(rng.integers(words[0], words[1] + 1)))).capitalize() + ".\n")
 
 
 def peak_rss_mib(args: list[str]) -> float:
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
         mem = []
         for n in (10000, args.big):
             big = tmp / f"c{n}.txt"
-            corpus(big, n, seed=1)
+            corpus(big, n, seed=1, words=(3, 8))  # short lines: memory depends on the row count, not the length
             mem.append((n, peak_rss_mib(["embed", "--input", str(big), "--output", str(tmp / f"c{n}.npy"), "--quiet"])))
             print(mem[-1], flush=True)
     st_time = rows[-1][1]
@@ -116,7 +119,8 @@ sentence-transformers' embeddings: {diff:.1e}; Dask (2 workers) vs one process: 
 
 {chr(10).join(table)}
 
-Peak resident memory of a `qkv embed --input` process (model, tokenizer, Python and NumPy included):
+Peak resident memory of a `qkv embed --input` process (model, tokenizer, Python and NumPy included),
+on lines of 3 to 8 words:
 {', '.join(f'{n:,} lines: {m:.0f} MiB' for n, m in mem)}: flat, as the input is streamed and the output memory-mapped.
 """
     print(body)

@@ -127,3 +127,14 @@ def test_embed_and_search_commands(tmp_path):
     ):
         r = run(*args)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+
+
+def test_streamed_embeddings_equal_sentence_transformers(encoder, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    from qkv.models import default_model_dir
+
+    lines = ["The river bank was steep.", "", "I deposited cash at the bank.", "café au lait", "Dogs bark at night."]
+    embed_file(encoder, write(tmp_path, lines), tmp_path / "s.npy")
+    ref = SentenceTransformer(str(default_model_dir()), device="cpu").encode(lines, convert_to_numpy=True)
+    np.testing.assert_allclose(np.load(tmp_path / "s.npy"), ref, rtol=0, atol=1e-5)

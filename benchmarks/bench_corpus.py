@@ -28,13 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _report import machine, write_section  # noqa: E402
-
-WORDS = (
-    "the a model attention river bank money cash sat deposited query key value head layer token sentence "
-    "quickly slowly because although transformer encoder decoder weights softmax gradient matrix vector "
-    "learns reads writes computes city mountain teacher student music guitar plays sings runs walks over "
-    "under between with without and or but not very more less green blue red small large ancient modern"
-).split()
+from bench_encoder import WORDS  # noqa: E402  (the same word list)
 
 
 def corpus(path: Path, n: int, seed: int = 0, words=(3, 60)) -> None:

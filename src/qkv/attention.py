@@ -222,15 +222,28 @@ def _dropout_key(rng) -> np.uint64:
     return as_rng(rng).integers(0, 2**64, dtype=np.uint64)
 
 
+def _dropout_factor(shape: tuple, key, dropout_p: float, dtype: np.dtype) -> np.ndarray:
+    """Inverted dropout over weights of ``shape`` (..., Hq, L, S): 1/(1-p) where kept, 0 where dropped.
+
+    Each weight's index is its flat position in C order, as the tiled path numbers it.
+    """
+    index = np.arange(math.prod(shape), dtype=np.uint64).reshape(shape)
+    scale = dtype.type(0 if dropout_p >= 1 else 1.0 / (1.0 - dropout_p))
+    return np.where(dropout_keep(key, index, dropout_p), scale, dtype.type(0))
+
+
+def _apply_dropout(weights: np.ndarray, factor: np.ndarray) -> np.ndarray:
+    """``weights * factor`` where kept, exactly 0 where dropped (even under a NaN weight)."""
+    return np.where(factor > 0, weights * factor, 0).astype(weights.dtype, copy=False)
+
+
 def _dropout(weights: np.ndarray, p: _Problem, dropout_p: float, rng) -> np.ndarray:
     if dropout_p == 0.0:
         return weights
     key = _dropout_key(_need_rng(rng))
     if dropout_p == 1.0:
         return np.zeros_like(weights)
-    index = np.arange(math.prod(weights.shape), dtype=np.uint64).reshape(weights.shape)  # C order of (..., Hq, L, S)
-    keep = dropout_keep(key, index, dropout_p)
-    return np.where(keep, weights * weights.dtype.type(1.0 / (1.0 - dropout_p)), 0).astype(weights.dtype, copy=False)
+    return _apply_dropout(weights, _dropout_factor(weights.shape, key, dropout_p, weights.dtype))
 
 
 def _check_dropout(dropout_p) -> float:
@@ -479,11 +492,8 @@ def scaled_dot_product_attention_vjp(
     elif impl == "direct":
         _check_direct_fits(p, dropout_p > 0)
         w = _weights(p)  # (..., Hk, G, L, S)
-        factor = None
-        if dropout_p:
-            index = np.arange(w.size, dtype=np.uint64).reshape(w.shape)  # the numbering _dropout uses
-            factor = np.where(dropout_keep(key_, index, dropout_p), dt.type(0 if dropout_p >= 1 else 1 / (1 - dropout_p)), dt.type(0))
-        w_drop = w if factor is None else w * factor
+        factor = None if not dropout_p else _dropout_factor(w.shape, key_, dropout_p, dt)  # the forward's own pattern
+        w_drop = w if factor is None else _apply_dropout(w, factor)
         out = w_drop @ p.v  # (..., Hk, G, L, Dv)
     else:
         out, lse = _flash.tiled_attention(p, dropout_p=dropout_p, dropout_key=key_, workers=workers, kernel=kernel)

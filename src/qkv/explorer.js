@@ -75,6 +75,18 @@ function headImage(l, h) {
 
 const $ = (id) => document.getElementById(id);
 
+// A canvas of width x height CSS pixels, sharp on high-density screens; its context draws in CSS pixels.
+function sizedContext(canvas, width, height) {
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = Math.round(width * ratio);
+  canvas.height = Math.round(height * ratio);
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  return ctx;
+}
+
 // ------------------------------------------------------------------ head view
 // Tokens are elements (to hover); the lines are drawn on a canvas between the two columns, which
 // stays fast with tens of thousands of lines. `drawn` lists the (head, query, key) of every line on it.
@@ -117,14 +129,7 @@ function drawHeadView() {
   $("head-message").textContent = tooMany
     ? `${count} lines to draw, more than ${MAX_LINES}: raise "lines from weight", pick fewer heads, or use the matrix view.`
     : `${count} lines (weights >= ${state.threshold}) in ${meta.layers[state.layer]}.`;
-  const ratio = window.devicePixelRatio || 1, height = ROW * Math.max(L, S);
-  const canvas = $("head-canvas");
-  canvas.width = Math.round(SPAN * ratio);
-  canvas.height = Math.round(height * ratio);
-  canvas.style.width = `${SPAN}px`;
-  canvas.style.height = `${height}px`;
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  const ctx = sizedContext($("head-canvas"), SPAN, ROW * Math.max(L, S));
   ctx.lineWidth = 2;
   drawn = [];
   if (!tooMany) {
@@ -221,14 +226,7 @@ function drawMatrix() {
   const cell = state.cell, labels = cell >= 9;
   matrix.left = matrix.top = labels ? 14 + 7 * longest : 30;
   const width = matrix.left + S * cell + 4, height = matrix.top + L * cell + 4;
-  const ratio = window.devicePixelRatio || 1;
-  const canvas = $("matrix-canvas");
-  canvas.width = Math.round(width * ratio);
-  canvas.height = Math.round(height * ratio);
-  canvas.style.width = `${width}px`;
-  canvas.style.height = `${height}px`;
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  const ctx = sizedContext($("matrix-canvas"), width, height);
   ctx.fillStyle = "#fff";
   ctx.fillRect(0, 0, width, height);
   ctx.imageSmoothingEnabled = false;

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 
 import numpy as np
 
@@ -200,6 +201,32 @@ def _block_of(x, nd, nb, G, bidx, hk, i0, i1, j0, j1):
     return np.broadcast_to(_block_index(x, nd, nb, bidx, hk, i0, i1, j0, j1), (G, i1 - i0, j1 - j0))
 
 
+def _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset):
+    """The (G, rows, cols) or (rows, cols) keep-mask of a block (window and mask), None when all is
+    visible, or False when nothing is: the block is then skipped."""
+    keep = None if window is None else _block_keep(i0, i1, j0, j1, offset, window)
+    if mask is not None:
+        mb = _block_of(mask, nd, nb, G, bidx, hk, i0, i1, j0, j1)
+        keep = mb if keep is None else mb & keep
+        if keep.all():
+            return None
+        if not keep.any():
+            return False
+    return keep
+
+
+def _dropout_block(key, dropout_p, keep_scale, dt, batch, bidx, Hq, hk, G, L, S, i0, i1, j0, j1):
+    """The (G, rows, cols) inverted-dropout factor of a block: 1/(1-p) where kept, 0 where dropped.
+
+    Each weight's index is its flat position in (..., Hq, L, S), as on the direct path, so both
+    paths (and the backward) drop the same weights whatever the blocks.
+    """
+    b_flat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
+    heads = (b_flat * Hq + hk * G + np.arange(G, dtype=np.uint64))[:, None, None]
+    index = (heads * L + np.arange(i0, i1, dtype=np.uint64)[None, :, None]) * S + np.arange(j0, j1, dtype=np.uint64)
+    return np.where(dropout_keep(key, index, dropout_p), keep_scale, dt.type(0))
+
+
 def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int | None = None, block_q: int | None = None, block_k: int | None = None, kernel: str | None = None):
     """Attention of a prepared problem (see ``qkv.attention._prepare``) by key blocks.
 
@@ -238,8 +265,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     # (-1e9 padding, long ALiBi) would otherwise set a shift so large that q.k - shift loses q.k.
     fold = bias is None
 
-    nd = len(batch) + 4  # (..., Hk, G, L, S)
-    block_of = lambda x, bidx, hk, i0, i1, j0, j1: _block_of(x, nd, len(batch), G, bidx, hk, i0, i1, j0, j1)  # noqa: E731
+    nd, nb = len(batch) + 4, len(batch)  # (..., Hk, G, L, S) and its batch dims
 
     def work(bidx, hk, i0):
         i1 = min(i0 + bq, L)
@@ -261,19 +287,14 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             if interrupted():
                 return
             j1 = min(j0 + bk, hi)
-            keep = None if window is None else _block_keep(i0, i1, j0, j1, offset, window)
-            if mask is not None:
-                mb = block_of(mask, bidx, hk, i0, i1, j0, j1)
-                keep = mb if keep is None else mb & keep
-                if keep.all():
-                    keep = None
-                elif not keep.any():
-                    continue
+            keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)
+            if keep is False:
+                continue
             s = scratch("s", (rows, j1 - j0), dt)
             np.matmul(qx, kx[j0:j1].T, out=s)  # scores * scale (- m when folded)
             s3 = s.reshape(G, n, j1 - j0)
             if not fold:
-                s3 += block_of(bias, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off in the step, once
+                s3 += _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off in the step, once
             if keep is not None:
                 keep = np.broadcast_to(keep, s3.shape).reshape(rows, j1 - j0)
             moved, factor = step(s, keep, m, total, fold)  # s <- exp(s - shift); m, total updated
@@ -282,10 +303,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             if moved and fold:
                 qx[:, D] = -np.where(np.isfinite(m), m, 0)
             if dropout_p:
-                b_flat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
-                heads = (b_flat * Hq + hk * G + np.arange(G, dtype=np.uint64))[:, None, None]
-                index = (heads * L + np.arange(i0, i1, dtype=np.uint64)[None, :, None]) * S + np.arange(j0, j1, dtype=np.uint64)
-                s3 *= np.where(dropout_keep(dropout_key, index, dropout_p), keep_scale, dt.type(0))
+                s3 *= _dropout_block(dropout_key, dropout_p, keep_scale, dt, batch, bidx, Hq, hk, G, L, S, i0, i1, j0, j1)
             np.matmul(s, vx[j0:j1], out=tmp)
             acc += tmp
         nan = np.isnan(total)
@@ -333,8 +351,6 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
     d_key, d_value : ndarray, (..., Hk, S, D), (..., Hk, S, Dv)
     d_bias : ndarray of ``p.bias``'s shape, or None
     """
-    import threading
-
     workers = check_workers(workers)
     q, k, v = p.q, p.k, p.v
     dt = q.dtype
@@ -376,12 +392,9 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
                 if interrupted():
                     return
                 j1 = min(j0 + bk, hi)
-                keep = None if window is None else _block_keep(i0, i1, j0, j1, offset, window)
-                if mask is not None:
-                    mb = _block_of(mask, nd, nb, G, bidx, hk, i0, i1, j0, j1)
-                    keep = mb if keep is None else mb & keep
-                    if not keep.any():
-                        continue
+                keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)
+                if keep is False:
+                    continue
                 kb, vb = kb_all[j0:j1], vb_all[j0:j1]
                 s = qs @ kb.T  # (rows, cols)
                 s3 = s.reshape(G, n, j1 - j0)
@@ -392,10 +405,7 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
                 s -= lse_b
                 w = np.exp(s, out=s)  # P: the forward's weights of this block
                 if dropout_p:
-                    b_flat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
-                    heads = (b_flat * Hq + hk * G + np.arange(G, dtype=np.uint64))[:, None, None]
-                    index = (heads * L + np.arange(i0, i1, dtype=np.uint64)[None, :, None]) * S + np.arange(j0, j1, dtype=np.uint64)
-                    f = np.where(dropout_keep(dropout_key, index, dropout_p), keep_scale, dt.type(0)).reshape(rows, j1 - j0)
+                    f = _dropout_block(dropout_key, dropout_p, keep_scale, dt, batch, bidx, Hq, hk, G, L, S, i0, i1, j0, j1).reshape(rows, j1 - j0)
                     dv_h[j0:j1] += (w * f).T @ dob
                     dp = (dob @ vb.T) * f
                 else:

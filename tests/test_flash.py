@@ -25,6 +25,7 @@ def blocks(request, monkeypatch):
     """Run each test with the default blocks and with tiny ones (many blocks, many rescales)."""
     monkeypatch.setattr(flash, "BLOCK_Q", request.param[0])
     monkeypatch.setattr(flash, "BLOCK_K", request.param[1])
+    monkeypatch.setattr(flash, "VALUE_CHUNK", min(flash.VALUE_CHUNK, request.param[1] * 3 // 5))  # the value product in pieces too
     return request.param
 
 
@@ -214,3 +215,20 @@ def test_concurrent_calls_from_user_threads_restore_blas_threads():
     for out in outs:
         close(out, want, np.float32)
     assert blas_threads() == before
+
+
+@pytest.mark.parametrize("rows", [1, 3, flash.ROWWISE, flash.ROWWISE + 1, 40])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_score_product_is_the_matrix_product(rows, dtype):
+    """Row at a time or not, it is q @ k.T (to float rounding), broadcast over heads, into out= when given."""
+    rng = np.random.default_rng(rows)
+    q = rng.standard_normal((2, 3, rows, 59)).astype(dtype)
+    k_t = rng.standard_normal((2, 1, 59, 70)).astype(dtype)
+    exact = q.astype(np.float64) @ k_t.astype(np.float64)
+    got = flash.score_product(q, k_t, rows)
+    assert got.shape == exact.shape and got.dtype == dtype
+    tol = 59 * np.finfo(dtype).eps * (np.abs(q.astype(np.float64)) @ np.abs(k_t.astype(np.float64)))  # the dot product's error bound
+    assert (np.abs(got - exact) <= tol).all()
+    out = np.empty(exact.shape, dtype)
+    assert flash.score_product(q, k_t, rows, out=out) is not None
+    np.testing.assert_array_equal(out, got)

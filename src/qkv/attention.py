@@ -202,7 +202,7 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
 def _weights(p: _Problem, want_lse: bool = False):
     """Softmax weights, (..., Hk, G, L, S) in the compute dtype (and the log-sum-exp per row)."""
     # The scale goes on the queries (L x D numbers) rather than the scores (L x S).
-    scores = (p.q * p.q.dtype.type(p.scale)) @ np.swapaxes(p.k, -1, -2)  # (..., Hk, G, L, S)
+    scores = _flash.score_product(p.q * p.q.dtype.type(p.scale), np.swapaxes(p.k, -1, -2), p.q.shape[-2])  # (..., Hk, G, L, S)
     if p.bias is not None:
         scores = scores + p.bias  # may broadcast to a bigger shape: not in place
     mask = p.full_mask()

@@ -121,3 +121,44 @@ def test_kernel_is_chosen_by_argument_and_environment():
     assert run("").stdout.strip() == "numba"  # the default where numba is installed
     bad = run("fortran")
     assert bad.returncode != 0 and "ValueError: environment variable QKV_KERNEL: kernel should be one of ['numba', 'numpy'], got 'fortran'" in bad.stderr
+
+
+# ------------------------------------------------------------- activations
+
+ACTS = {"gelu": ("gelu", {}), "gelu_new": ("gelu", {"approximate": "tanh"}), "silu": ("silu", {})}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(ACTS))
+def test_compiled_activation_matches_torch_and_numpy(torch, monkeypatch, name, dtype):
+    """The fused activation (chunks of 1,024 and a ragged end) against torch in float64 and the NumPy passes."""
+    from qkv.models.functional import ACTIVATIONS
+
+    rng = np.random.default_rng(7)
+    x = np.concatenate([np.linspace(-30, 30, 6001), 4 * rng.standard_normal(3001), [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 800.0, -800.0]]).astype(dtype)
+    fn_name, kw = ACTS[name]
+    want = getattr(torch.nn.functional, fn_name)(torch.from_numpy(x.astype(np.float64)), **kw).numpy()
+    monkeypatch.setattr(flash, "KERNEL", "numba")
+    got = ACTIVATIONS[name](x.copy(), [np.empty_like(x) for _ in range(3)])
+    monkeypatch.setattr(flash, "KERNEL", "numpy")
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = ACTIVATIONS[name](x.copy(), [np.empty_like(x) for _ in range(3)])
+    assert got.dtype == dtype
+    tol = {np.float32: 1.5e-6, np.float64: 3e-7 if name == "gelu" else 1e-14}[dtype]  # erf by A&S 7.1.26: 1.5e-7 in exact arithmetic
+    bound = tol * np.maximum(1, np.abs(want))  # absolute below 1, relative above
+    assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
+    assert (np.abs(got - ref) <= bound).all(), np.abs(got - ref).max()
+    assert np.signbit(got[x == 0]).tolist() == np.signbit(ref[x == 0]).tolist() or name == "gelu"
+
+
+@pytest.mark.parametrize("name", sorted(ACTS))
+def test_compiled_activation_keeps_nan_and_takes_the_numpy_route_off_contiguous(monkeypatch, name):
+    from qkv.models.functional import ACTIVATIONS
+
+    monkeypatch.setattr(flash, "KERNEL", "numba")
+    x = np.array([np.nan, 1.0, -2.0, np.nan], np.float32)
+    assert np.isnan(ACTIVATIONS[name](x.copy(), [np.empty_like(x) for _ in range(3)])[[0, 3]]).all()
+    strided = np.linspace(-3, 3, 20, dtype=np.float32)[::2]  # not contiguous: the NumPy passes
+    got = ACTIVATIONS[name](strided.copy()[::1], [np.empty_like(strided) for _ in range(3)])
+    monkeypatch.setattr(flash, "KERNEL", "numpy")
+    np.testing.assert_allclose(ACTIVATIONS[name](strided, [np.empty_like(strided) for _ in range(3)]), got, rtol=3e-7, atol=2e-7)

@@ -101,8 +101,27 @@ def test_index_search_is_exact(tmp_path):
     np.testing.assert_array_equal(rows, want)
     np.testing.assert_allclose(scores, cos[want], rtol=1e-5)
     assert Index(tmp_path / "v.npy").search(q, k=5000)[0].shape == (1000,)
-    with pytest.raises(ValueError, match=r"query shape should be \(16,\)"):
+    with pytest.raises(ValueError, match=r"query shape should be \(16,\) or \(Q, 16\)"):
         index.search(np.ones(3))
+    with pytest.raises(ValueError, match="k should be >= 1"):
+        index.search(q, k=0)
+    # Several queries in one pass: each row as if searched alone.
+    qs = rng.standard_normal((5, 16))
+    rows5, scores5 = index.search(qs, k=7)
+    assert rows5.shape == scores5.shape == (5, 7)
+    for i in range(5):
+        r, sc = index.search(qs[i], k=7)
+        np.testing.assert_array_equal(rows5[i], r)
+        np.testing.assert_allclose(scores5[i], sc, rtol=1e-6)  # one GEMM or one matrix-vector product: rounding apart
+    np.testing.assert_allclose(index.norms(), np.linalg.norm(vectors, axis=1), rtol=1e-6)
+
+
+def test_index_ties_go_to_the_earlier_row(tmp_path):
+    v = np.tile(np.array([[1, 0], [0, 1]], np.float32), (300, 1))  # 600 rows: equal pairs across blocks
+    np.save(tmp_path / "t.npy", v)
+    rows, scores = Index(tmp_path / "t.npy", block_rows=64).search(np.array([1.0, 0.0]), k=4)
+    np.testing.assert_array_equal(rows, [0, 2, 4, 6])
+    np.testing.assert_array_equal(scores, [1, 1, 1, 1])
 
 
 def test_embed_and_search_commands(tmp_path):
@@ -138,3 +157,39 @@ def test_streamed_embeddings_equal_sentence_transformers(encoder, tmp_path):
     embed_file(encoder, write(tmp_path, lines), tmp_path / "s.npy")
     ref = SentenceTransformer(str(default_model_dir()), device="cpu").encode(lines, convert_to_numpy=True)
     np.testing.assert_allclose(np.load(tmp_path / "s.npy"), ref, rtol=0, atol=1e-5)
+
+
+def test_qkv_embed_killed_mid_run_resumes_bit_for_bit(tmp_path):
+    """SIGKILL a real `qkv embed --input` process after its first chunks; `--resume` ends equal to a clean run."""
+    import os
+    import signal
+    import time
+
+    rng = np.random.default_rng(3)
+    words = "the a river bank cash deposit steep dog cat market fell rose night morning".split()
+    lines = [" ".join(rng.choice(words, size=int(rng.integers(0, 9)))) for _ in range(600)]  # empty lines too
+    src = write(tmp_path, lines)
+    cmd = [sys.executable, "-m", "qkv", "embed", "--input", str(src), "--batch-size", "4", "--quiet"]  # chunks of 64 lines
+    full = subprocess.run([*cmd, "--output", "full.npy"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert full.returncode == 0, full.stderr
+    marker = tmp_path / "part.npy.progress.json"
+    proc = subprocess.Popen([*cmd, "--output", "part.npy"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    rows = 0
+    while rows < 128 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        try:
+            rows = json.loads(marker.read_text())["rows"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+    assert proc.poll() is None, "the run ended before it could be killed: make the corpus longer"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stderr.close()
+    killed_at = json.loads(marker.read_text())["rows"]
+    assert 128 <= killed_at < len(lines)
+    resumed = subprocess.run([*cmd, "--output", "part.npy", "--resume"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at row {killed_at}" in resumed.stderr, resumed.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "part.npy"), np.load(tmp_path / "full.npy"))
+    assert not marker.exists()

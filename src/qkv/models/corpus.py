@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._checks import check_int
 from .._files import write_atomic
 
 __all__ = ["iter_texts", "embed_file", "Index"]
@@ -220,24 +221,56 @@ class Index:
         if self.vectors.ndim != 2:
             raise ValueError(f"{self.path}: embeddings should be (N, E), got shape {self.vectors.shape}")
         self.block_rows = block_rows
+        self._norms = None  # (N,) float32, computed on the first search: later ones read each row once
 
     def __len__(self) -> int:
         return len(self.vectors)
 
-    def search(self, query, k: int = 10):
-        """The ``k`` rows most similar to ``query`` (E,) by cosine: (row indices, similarities), best first."""
-        q = np.asarray(query, np.float32)
-        if q.shape != (self.vectors.shape[1],):
-            raise ValueError(f"query shape should be ({self.vectors.shape[1]},), got {q.shape}")
-        if k < 1:
-            raise ValueError(f"k should be >= 1, got {k}")
-        q = q / max(float(np.linalg.norm(q)), 1e-12)
-        best_i, best_s = np.empty(0, np.int64), np.empty(0, np.float32)
+    def _blocks(self):
         for start in range(0, len(self.vectors), self.block_rows):
-            block = np.asarray(self.vectors[start : start + self.block_rows], np.float32)
-            s = block @ q / np.maximum(np.linalg.norm(block, axis=1), 1e-12)  # cosine of every row in the block
-            top = np.argpartition(-s, min(k, len(s)) - 1)[:k] if len(s) > k else np.arange(len(s))
-            best_i, best_s = np.concatenate([best_i, top + start]), np.concatenate([best_s, s[top]])
-            keep = np.lexsort((best_i, -best_s))[:k]  # ties: the earlier row first
-            best_i, best_s = best_i[keep], best_s[keep]
-        return best_i, best_s.astype(np.float32)
+            yield start, np.asarray(self.vectors[start : start + self.block_rows], np.float32)  # (rows, E)
+
+    def norms(self) -> np.ndarray:
+        """Every row's Euclidean norm, (N,) float32 (computed once, in blocks)."""
+        if self._norms is None:
+            norms = np.empty(len(self.vectors), np.float32)
+            for start, block in self._blocks():
+                norms[start : start + len(block)] = np.linalg.norm(block, axis=1)
+            self._norms = norms
+        return self._norms
+
+    def search(self, query, k: int = 10):
+        """The ``k`` rows most similar to ``query`` by cosine: (row indices, similarities), best first.
+
+        Parameters
+        ----------
+        query : array_like, (E,) or (Q, E)
+            One query, or ``Q`` of them searched in one pass over the rows.
+        k : int
+
+        Returns
+        -------
+        rows : ndarray of int64, (k,) or (Q, k)
+        similarities : ndarray of float32, (k,) or (Q, k)
+            Fewer than ``k`` columns when the index has fewer rows. Ties: the earlier row first.
+        """
+        q = np.asarray(query, np.float32)
+        E = self.vectors.shape[1]
+        if q.ndim not in (1, 2) or q.shape[-1] != E:
+            raise ValueError(f"query shape should be ({E},) or (Q, {E}), got {q.shape}")
+        k = check_int(k, "k", minimum=1)
+        qs = q.reshape(-1, E)  # (Q, E)
+        qs = qs / np.maximum(np.linalg.norm(qs, axis=1, keepdims=True), np.float32(1e-12))
+        norms = self.norms()
+        best_i = np.empty((len(qs), 0), np.int64)
+        best_s = np.empty((len(qs), 0), np.float32)
+        for start, block in self._blocks():
+            s = (qs @ block.T) / np.maximum(norms[start : start + len(block)], np.float32(1e-12))  # (Q, rows) cosines
+            top = np.argpartition(-s, k - 1, axis=1)[:, :k] if s.shape[1] > k else np.broadcast_to(np.arange(s.shape[1]), s.shape)
+            best_i = np.concatenate([best_i, top + start], axis=1)
+            best_s = np.concatenate([best_s, np.take_along_axis(s, top, axis=1)], axis=1)
+            order = np.lexsort((best_i, -best_s), axis=1)[:, :k]  # ties: the earlier row first
+            best_i, best_s = np.take_along_axis(best_i, order, axis=1), np.take_along_axis(best_s, order, axis=1)
+        if q.ndim == 1:
+            return best_i[0], best_s[0]
+        return best_i, best_s

@@ -128,23 +128,42 @@ def _scale_sum(row, ys, factors):  # (C,), (C,), (C,) -> sum; row <- ys * factor
 
 
 @njit(cache=True, nogil=True)
-def _max_row(row, keep, use_keep):  # (C,), (C,) bool -> max over the kept keys (NaN if any is NaN)
-    top, bad = row.dtype.type(-_INF), False
+def _hide(row, keep):  # (C,), (C,) bool: masked keys become -inf
     for j in range(row.shape[0]):
-        if use_keep and not keep[j]:
+        if not keep[j]:
             row[j] = -_INF
-        x = row[j]
-        bad |= x != x
-        top = max(top, x)
-    return row.dtype.type(np.nan) if bad else top
 
 
 @njit(cache=True, nogil=True)
-def block_step(s, keep, use_keep, m, total, factor, fold, tau, ys, bits, factors):
+def _max_key(rowbits):  # (C,) a float row's bits as ints -> (the largest float's key, any NaN)
+    """The row's maximum as an ordered integer key, and whether the row holds a NaN.
+
+    A float's bits, with the magnitude bits flipped where the sign bit is set, order
+    as integers as the floats do (for every float but NaN). An integer maximum is a
+    reduction LLVM vectorises without fast-math; a float one it keeps scalar (NaN
+    and -0 rules), four times slower on the first block of every row.
+    """
+    T = rowbits.dtype.type  # every step cast back to the row's width: numba widens small ints to int64
+    width = rowbits.itemsize * 8
+    magnitude = T(~(T(1) << T(width - 1)))  # every bit but the sign
+    inf = T(magnitude ^ T((T(1) << T(23 if width == 32 else 52)) - T(1)))  # exponent all ones, mantissa 0
+    top = T(width - 1)
+    best = T(T(1) << top)  # the smallest integer
+    bad = False
+    for j in range(rowbits.shape[0]):
+        b = rowbits[j]
+        bad |= T(b & magnitude) > inf
+        best = max(best, T(b ^ T(T(b >> top) & magnitude)))
+    return T(best ^ T(T(best >> top) & magnitude)), bad  # the key turned back into the float's bits  # the key turned back into the float's bits
+
+
+@njit(cache=True, nogil=True)
+def block_step(s, sbits, keep, use_keep, m, total, factor, fold, tau, ys, bits, factors):
     """The compiled ``qkv.flash.block_step``; see there for the contract.
 
-    ``ys`` is a float scratch row (C,), ``bits`` an integer one of the
-    float's width and ``factors`` the same memory as ``bits`` read as floats.
+    ``sbits`` is ``s`` read as integers of its width; ``ys`` is a float
+    scratch row (C,), ``bits`` an integer one of the float's width and
+    ``factors`` the same memory as ``bits`` read as floats.
     Returns (moved, grew): whether any row's shift changed, and whether any
     grew (``factor`` then holds each row's rescale, 1 where none).
 
@@ -170,7 +189,11 @@ def block_step(s, keep, use_keep, m, total, factor, fold, tau, ys, bits, factors
                 total[i] += _scale_sum(row, ys, factors)
                 continue
         # The long way: the maximum first, then the shift, then the exponentials.
-        top = _max_row(row, k, use_keep)
+        if use_keep:
+            _hide(row, k)
+        top_bits, bad = _max_key(sbits[i])
+        bits[0] = top_bits  # the scratch row, as a cell that reads back as a float
+        top = s.dtype.type(np.nan) if bad else factors[0]
         new = not np.isfinite(mi)  # no shift yet
         shift = zero if new else mi
         rise = top if fold else top - shift

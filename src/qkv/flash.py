@@ -139,7 +139,7 @@ def _compiled_step(s, keep, m, total, fold: bool):
     factor = scratch("factor", (rows,), s.dtype)
     use_keep = keep is not None
     keep = np.ascontiguousarray(keep) if use_keep else _NO_KEEP
-    moved, grew = kernel(s, keep, use_keep, m, total, factor, fold, s.dtype.type(TAU), ys, bits, bits.view(s.dtype))
+    moved, grew = kernel(s, s.view(ints), keep, use_keep, m, total, factor, fold, s.dtype.type(TAU), ys, bits, bits.view(s.dtype))
     return moved, (factor if grew else None)
 
 

@@ -3,7 +3,7 @@
 The corpus is cut into partitions of lines, in order; each partition is a
 Dask task that embeds its lines on a worker (the model is loaded once per
 worker process and kept there) and returns its rows. The client writes each
-partition's rows at its own place in one memory-mapped ``.npy`` as the
+partition's rows at its own place in one ``.npy`` (file writes) as the
 results come back, so row ``i`` is line ``i`` whatever order the tasks
 finish in. A worker that dies mid-task takes nothing with it: the scheduler
 runs the task again elsewhere (``retries``), and its rows are written once,
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._files import NpyRows
 from .corpus import _count_lines, _chunks, iter_texts
 
 __all__ = ["embed_corpus"]
@@ -126,7 +127,7 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
     out = None
     try:
         dim = client.submit(_embed_partition, [""], model, batch_size, pure=False).result()[0].shape[1]
-        out = np.lib.format.open_memmap(output, mode="w+", dtype=np.float32, shape=(n, dim))
+        out = NpyRows(output, shape=(n, dim))
         # A bounded number of partitions in flight: the client never holds the whole corpus.
         in_flight = 2 * max(1, len(client.scheduler_info()["workers"]))
         parts = enumerate(_chunks(texts, size))
@@ -150,7 +151,7 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
             start = starts.pop(fut.key)
             if vectors.shape != (sizes.pop(fut.key), dim):
                 raise RuntimeError(f"partition at row {start} came back with shape {vectors.shape}")
-            out[start : start + len(vectors)] = vectors
+            out.write(start, vectors)
             truncated, done = truncated + cut, done + len(vectors)
             pids.add(pid)
             submit_next()
@@ -160,7 +161,8 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
         if done != n:
             raise RuntimeError(f"{done} rows written, expected {n}")
     finally:
-        del out
+        if out is not None:
+            out.close()
         if own:
             client.close()
             cluster.close()

@@ -3,8 +3,9 @@
 Row ``i`` of the output is always line ``i`` of the input (an empty line gets
 the embedding of the empty text). Lines are read in chunks of
 ``batch_size * chunk_batches``; each chunk is sorted by length into batches
-(little padding), embedded, and written into a memory-mapped ``.npy``, so
-neither the corpus nor its embeddings need to fit in memory. After each
+(little padding), embedded, and written at its rows of a ``.npy`` (plain
+file writes, not a memory map: see ``qkv._files.NpyRows``), so neither the
+corpus nor its embeddings need to fit in memory. After each
 chunk a small ``OUT.npy.progress.json`` records how far the run got: a run
 stopped by Ctrl-C or a kill goes on from there with ``resume=True``, and the
 result equals an uninterrupted run bit for bit (the chunks, and so the
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .._checks import check_int
-from .._files import write_atomic
+from .._files import NpyRows, write_atomic
 
 __all__ = ["iter_texts", "embed_file", "Index"]
 
@@ -160,11 +161,12 @@ def _embed(encoder, source, output, marker, format, field, errors, batch_size, c
         if differs:
             raise ValueError(f"cannot resume {output}: {', '.join(differs)} changed since the interrupted run")
         done = int(saved["rows"])
-        out = np.lib.format.open_memmap(output, mode="r+")
+        out = NpyRows(output)
         if out.shape != (n, dim) or out.dtype != np.float32:
+            out.close()
             raise ValueError(f"cannot resume {output}: it holds {out.shape} {out.dtype}, expected ({n}, {dim}) float32")
     else:
-        out = np.lib.format.open_memmap(output, mode="w+", dtype=np.float32, shape=(n, dim))
+        out = NpyRows(output, shape=(n, dim))
     resumed_from = done
     bar = None
     if progress or (progress is None and sys.stderr.isatty()):
@@ -180,7 +182,7 @@ def _embed(encoder, source, output, marker, format, field, errors, batch_size, c
                 continue
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                out[row : row + len(texts)] = encoder.encode(texts, batch_size=batch_size)
+                out.write(row, encoder.encode(texts, batch_size=batch_size))
             for w in caught:  # the truncation warnings become one, at the end; others pass on
                 if "longer than max_seq_length" in str(w.message):
                     truncated += 1
@@ -196,7 +198,7 @@ def _embed(encoder, source, output, marker, format, field, errors, batch_size, c
     finally:
         if bar is not None:
             bar.close()
-        del out
+        out.close()
     marker.unlink()
     if truncated:
         warnings.warn(f"{truncated} texts were longer than max_seq_length={encoder.max_seq_length} tokens and were truncated to it", stacklevel=2)

@@ -150,7 +150,7 @@ sentence-transformers' embeddings: {diff:.1e}; Dask (2 workers) vs one process: 
 
 Peak resident memory of a `qkv embed --input` process (model, tokenizer, Python and NumPy included),
 on lines of 3 to 8 words:
-{', '.join(f'{n:,} lines: {m:.0f} MiB' for n, m in mem)}: flat, as the input is streamed and the output memory-mapped.
+{', '.join(f'{n:,} lines: {m:.0f} MiB' for n, m in mem)}: flat, as the input is streamed and the output written at its rows by file writes (no memory map).
 
 Search (`qkv.models.Index`, exact cosine, blocks of 65,536 rows from a memory-mapped `.npy`) over
 {args.search_rows:,} random rows of 384 floats ({args.search_rows * 384 * 4 / 2**30:.2f} GiB, in the page cache), top 10:

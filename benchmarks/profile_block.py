@@ -12,19 +12,17 @@ the bound a faster step cannot pass. Prints; writes nothing.
 
 from __future__ import annotations
 
-import time
+import os
+import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _report import median_time  # noqa: E402
+
 
 def med(fn, repeat=30):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return median_time(fn, repeat=repeat)
 
 
 def main() -> None:

@@ -154,7 +154,7 @@ def _max_key(rowbits):  # (C,) a float row's bits as ints -> (the largest float'
         b = rowbits[j]
         bad |= T(b & magnitude) > inf
         best = max(best, T(b ^ T(T(b >> top) & magnitude)))
-    return T(best ^ T(T(best >> top) & magnitude)), bad  # the key turned back into the float's bits  # the key turned back into the float's bits
+    return T(best ^ T(T(best >> top) & magnitude)), bad  # the key turned back into the float's bits
 
 
 @njit(cache=True, nogil=True)
@@ -277,16 +277,17 @@ def _activation_finish(x, kind, ys, factors):  # x (n,) <- the activation, from 
             v = x[j]
             e = ys[j] * factors[j]
             sig = one / (one + e)
-            x[j] = v * (sig if v >= zero else e * sig) if v == v else v
+            x[j] = v * (sig if v >= zero else e * sig)  # NaN: NaN times a finite factor
 
 
 @njit(cache=True, nogil=True)
 def _activation(flat, kind, arg, ys, bits, factors):  # flat (N,) in place; the rest (_CHUNK,) scratch
+    no_keep = arg[:1] != arg[:1]  # _exp_pass's mask argument, unused (use_keep False)
     for i0 in range(0, flat.shape[0], _CHUNK):
         x = flat[i0 : min(i0 + _CHUNK, flat.shape[0])]
         n = x.shape[0]
         _activation_arg(x, kind, arg[:n])
-        _exp_pass(arg[:n], arg[:1] != arg[:1], False, x.dtype.type(0), x.dtype.type(_INF), ys, bits)
+        _exp_pass(arg[:n], no_keep, False, x.dtype.type(0), x.dtype.type(_INF), ys, bits)
         _activation_finish(x, kind, ys, factors)
 
 

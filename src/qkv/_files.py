@@ -68,9 +68,3 @@ class NpyRows:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -134,6 +134,23 @@ def _hide(row, keep):  # (C,), (C,) bool: masked keys become -inf
             row[j] = -_INF
 
 
+def _key_constants(rowbits):  # pragma: no cover - a stub: numba compiles the overload below in its place
+    """(magnitude mask, +inf's bits, sign shift, smallest integer) for a float's width, as literals."""
+    raise NotImplementedError
+
+
+@overload(_key_constants, inline="always")
+def _key_constants_overload(rowbits):
+    # Literals, not computed from the width in the loop's function: computed ones kept it 3.5x slower.
+    if rowbits.dtype == types.int32:
+        c = (np.int32(0x7FFFFFFF), np.int32(0x7F800000), np.int32(31), np.int32(-(2**31)))
+    elif rowbits.dtype == types.int64:
+        c = (np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000), np.int64(63), np.int64(-(2**63)))
+    else:
+        return None
+    return lambda rowbits: c
+
+
 @njit(cache=True, nogil=True)
 def _max_key(rowbits):  # (C,) a float row's bits as ints -> (the largest float's key, any NaN)
     """The row's maximum as an ordered integer key, and whether the row holds a NaN.
@@ -144,17 +161,13 @@ def _max_key(rowbits):  # (C,) a float row's bits as ints -> (the largest float'
     and -0 rules), four times slower on the first block of every row.
     """
     T = rowbits.dtype.type  # every step cast back to the row's width: numba widens small ints to int64
-    width = rowbits.itemsize * 8
-    magnitude = T(~(T(1) << T(width - 1)))  # every bit but the sign
-    inf = T(magnitude ^ T((T(1) << T(23 if width == 32 else 52)) - T(1)))  # exponent all ones, mantissa 0
-    top = T(width - 1)
-    best = T(T(1) << top)  # the smallest integer
-    bad = False
+    magnitude, inf, top, best = _key_constants(rowbits)  # every bit but the sign; +inf; width - 1; the smallest integer
+    widest = T(0)  # the largest magnitude's bits: above inf's only for a NaN
     for j in range(rowbits.shape[0]):
         b = rowbits[j]
-        bad |= T(b & magnitude) > inf
+        widest = max(widest, T(b & magnitude))  # a second maximum, not an OR of flags: 4x faster (vectorised)
         best = max(best, T(b ^ T(T(b >> top) & magnitude)))
-    return T(best ^ T(T(best >> top) & magnitude)), bad  # the key turned back into the float's bits
+    return T(best ^ T(T(best >> top) & magnitude)), widest > inf  # the key turned back into the float's bits
 
 
 @njit(cache=True, nogil=True)

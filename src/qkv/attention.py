@@ -31,7 +31,6 @@ from ._checks import as_array, as_bool_mask, as_rng, check_broadcast, check_fits
 from ._parallel import check_workers
 from .dropout import dropout_keep
 from . import flash as _flash
-from .softmax import softmax_
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -199,8 +198,12 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
     )
 
 
-def _weights(p: _Problem, want_lse: bool = False):
-    """Softmax weights, (..., Hk, G, L, S) in the compute dtype (and the log-sum-exp per row)."""
+def _weights(p: _Problem, want_lse: bool = False, kernel: str | None = None):
+    """Softmax weights, (..., Hk, G, L, S) in the compute dtype (and the log-sum-exp per row).
+
+    The softmax is the tiled path's block step over all the keys (``kernel``, default
+    :data:`qkv.flash.KERNEL`), then the division: one kernel for both paths.
+    """
     # The scale goes on the queries (L x D numbers) rather than the scores (L x S).
     scores = _flash.score_product(p.q * p.q.dtype.type(p.scale), np.swapaxes(p.k, -1, -2), p.q.shape[-2])  # (..., Hk, G, L, S)
     if p.bias is not None:
@@ -208,7 +211,7 @@ def _weights(p: _Problem, want_lse: bool = False):
     mask = p.full_mask()
     if mask is not None and scores.shape != np.broadcast_shapes(scores.shape, mask.shape):
         scores = np.array(np.broadcast_to(scores, np.broadcast_shapes(scores.shape, mask.shape)))
-    return softmax_(scores, -1, mask, want_lse=want_lse)
+    return _flash.step_softmax_(scores, mask, want_lse=want_lse, kernel=kernel)
 
 
 def _need_rng(rng):
@@ -396,7 +399,7 @@ def scaled_dot_product_attention(
         extra = [_finish(lse[..., None], p, 1, keep_dtype=True)[..., 0]] if return_lse else []
         out = _finish(out, p, p.out_shape[-1])
         return (out, *extra) if extra else out
-    res = _weights(p, want_lse=return_lse)
+    res = _weights(p, want_lse=return_lse, kernel=kernel)
     weights, lse = res if return_lse else (res, None)
     weights = _dropout(weights, p, dropout_p, rng)  # (..., Hk, G, L, S)
     out = weights @ p.v  # (..., Hk, G, L, Dv)
@@ -491,7 +494,7 @@ def scaled_dot_product_attention_vjp(
         out = np.zeros(p.out_shape, dt).reshape(*p.scores_shape[:-3], Hk, G, L, Dv)
     elif impl == "direct":
         _check_direct_fits(p, dropout_p > 0)
-        w = _weights(p)  # (..., Hk, G, L, S)
+        w = _weights(p, kernel=kernel)  # (..., Hk, G, L, S)
         factor = None if not dropout_p else _dropout_factor(w.shape, key_, dropout_p, dt)  # the forward's own pattern
         w_drop = w if factor is None else _apply_dropout(w, factor)
         out = w_drop @ p.v  # (..., Hk, G, L, Dv)

@@ -147,6 +147,34 @@ _NO_KEEP = np.ones((1, 1), bool)
 _KERNELS = {"numpy": block_step, "numba": _compiled_step}
 
 
+def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None):  # (..., S), bool broadcastable or None -> (..., S) [, (...)]
+    """Softmax over the last axis as one block step over all the keys, then the division.
+
+    The direct path's softmax, by the same kernel as the tiled path: with no
+    shift yet, the step shifts every row by its maximum, exactly as
+    ``qkv.softmax`` does, so the two differ only by the kernel's rounding
+    (the compiled one makes the short rows of an encoder's batch several
+    times faster than NumPy's separate passes). ``s`` is overwritten where
+    it is contiguous; rows with nothing kept come out zero (log-sum-exp
+    ``-inf``).
+    """
+    step = _KERNELS[check_kernel(KERNEL if kernel is None else kernel)]
+    shape, dt = s.shape, s.dtype
+    s2 = s.reshape(-1, shape[-1])  # (R, S): a view of the caller's fresh scores
+    keep2 = None if keep is None else np.ascontiguousarray(np.broadcast_to(keep, shape)).reshape(s2.shape)
+    m = np.full(len(s2), -np.inf, dt)  # no shift yet: the step takes each row's maximum
+    total = np.zeros(len(s2), ACC)
+    step(s2, keep2, m, total, False)
+    empty = total == 0  # only rows with nothing kept: their numerators are all 0
+    s2 /= np.where(empty, 1, total).astype(dt)[:, None]
+    out = s2.reshape(shape)
+    if not want_lse:
+        return out
+    with np.errstate(divide="ignore"):
+        lse = (np.log(total) + np.where(np.isfinite(m), m, 0)).astype(dt)  # -inf where nothing is kept
+    return out, lse.reshape(shape[:-1])
+
+
 def kernel_names() -> list[str]:
     """The block-step kernels this installation has: "numpy" always, "numba" with ``qkv[fast]``."""
     return ["numpy"] + (["numba"] if importlib.util.find_spec("numba") is not None else [])

@@ -22,7 +22,7 @@ import numpy as np
 
 from .._parallel import default_workers, run_all, scratch
 from ..attention import scaled_dot_product_attention
-from ..heads import merge_heads, split_heads
+from ..heads import split_heads
 from ..layers import MultiHeadAttention
 from .errors import ModelError
 from .files import FieldReader, read_json
@@ -118,8 +118,9 @@ class BertModel:
     :func:`qkv.models.load_model`.
     """
 
-    #: Token rows per work item in the token-wise parts (the (rows, F) activations stay in cache).
-    block_rows = 128
+    #: Token rows per work item in the token-wise parts, at most: OpenBLAS runs a (rows, 384) x (384, 1536)
+    #: product at 25 GFLOP/s with 128 rows and 35 with 512 or more (one core of the benchmark machine).
+    block_rows = 768
 
     def __init__(self, config: BertConfig, embeddings: dict, layers: list[_Layer], *, workers: int | None = None):
         self.config = config
@@ -237,7 +238,10 @@ class BertModel:
         # Padding queries and padding keys are both masked: padding rows come out zero.
         keep = real[:, None, None, :] & real[:, None, :, None]  # (B, 1, L, L)
         act = ACTIVATIONS[cfg.hidden_act]
-        rows = [slice(i, i + self.block_rows) for i in range(0, T, self.block_rows)]  # token blocks
+        # Token blocks: as few as keep every worker busy, each at most block_rows, of equal size.
+        n = workers * -(-T // (workers * self.block_rows))
+        size = -(-T // n)
+        rows = [slice(i, i + size) for i in range(0, T, size)]
         batches = [slice(i, i + -(-B // workers)) for i in range(0, B, -(-B // workers))]  # sequence blocks
 
         def unpack(x):  # (T, X) -> (B, L, X), zeros at padding
@@ -249,27 +253,32 @@ class BertModel:
         if output_hidden_states:
             hidden.append(unpack(h))
         F = cfg.intermediate_size
-        qkv = np.empty((T, 3 * E), np.float32)  # the fused projections of the real tokens
-        grid = np.zeros((B * L, 3 * E), np.float32)  # the same on the padded grid; padding rows stay 0
+        grid = np.zeros((B * L, 3 * E), np.float32)  # the fused projections on the padded grid; padding rows stay 0
+        ctx = np.empty((B, L, H, E // H), np.float32)  # the attention's output, heads merged by the layout
         for layer in self.layers:
             mha = layer.attention
-            # 1. Query/key/value projections, token-wise: real tokens only, one fused matmul.
-            run_all([lambda r=r, mha=mha, h=h: mha.project_qkv(h[r], out=qkv[r]) for r in rows], workers)
+
+            # 1. Query/key/value projections, token-wise: real tokens only, one fused matmul, each
+            #    block's rows then put at their places in the padded grid (by the same worker).
+            def project(r, mha=mha, h=h):
+                n = len(range(*r.indices(T)))
+                qkv = scratch("bert.qkv", (n, 3 * E), np.float32)
+                mha.project_qkv(h[r], out=qkv)  # writes q, k and v side by side into qkv
+                grid[flat[r]] = qkv
+
+            run_all([lambda r=r: project(r) for r in rows], workers)
             # 2. Attention per sequence, on the padded grid: qkv's core function.
-            grid[flat] = qkv
             q, k, v = (split_heads(grid[:, i * E : (i + 1) * E].reshape(B, L, E), H) for i in range(3))  # (B, H, L, D)
-            ctx = np.empty((B, H, L, E // H), np.float32)
             weights = np.empty((B, H, L, L), np.float32) if output_attentions else None
 
-            def attend(b, q=q, k=k, v=v, ctx=ctx, weights=weights):
+            def attend(b, q=q, k=k, v=v, weights=weights):
                 res = scaled_dot_product_attention(q[b], k[b], v[b], mask=keep[b], return_weights=output_attentions, implementation="direct")
                 if output_attentions:
-                    ctx[b], weights[b] = res
-                else:
-                    ctx[b] = res
+                    res, weights[b] = res
+                ctx[b] = np.swapaxes(res, -3, -2)  # (b, H, L, D) -> (b, L, H, D): merge_heads' layout
 
             run_all([lambda b=b: attend(b) for b in batches], workers)
-            merged = merge_heads(ctx).reshape(B * L, E)[flat]  # (T, E)
+            merged = ctx.reshape(B * L, E)  # (B * L, E), a view; each block gathers its real tokens' rows
             # 3. Output projection, residual + LayerNorm, feed-forward, residual + LayerNorm, token-wise,
             #    in blocks whose (rows, F) activations stay in cache, in per-thread scratch buffers
             #    (fresh large temporaries cost page faults on every call).
@@ -279,7 +288,7 @@ class BertModel:
                 n = len(range(*r.indices(T)))
                 x, f = scratch("bert.x", (n, E), np.float32), scratch("bert.f", (n, E), np.float32)
                 u = scratch("bert.u", (n, F), np.float32)
-                mha.project_out(merged[r], out=x)
+                mha.project_out(merged[flat[r]], out=x)
                 x += h[r]
                 layer_norm(x, *layer.ln1, eps, out=x)  # (rows, E)
                 np.matmul(x, layer.w1, out=u)

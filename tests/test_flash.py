@@ -232,3 +232,28 @@ def test_score_product_is_the_matrix_product(rows, dtype):
     out = np.empty(exact.shape, dtype)
     assert flash.score_product(q, k_t, rows, out=out) is not None
     np.testing.assert_array_equal(out, got)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("keys", [1, 7, 60, 64, 300])
+def test_step_softmax_is_qkv_softmax(kernel, dtype, keys):
+    """The direct path's softmax (one block step over all keys, then the division) is
+    qkv.softmax and qkv.logsumexp, with each kernel: masks, a fully masked row, NaN and +inf."""
+    from qkv import logsumexp, softmax
+
+    rng = np.random.default_rng(keys)
+    s = (rng.standard_normal((3, 5, keys)) * 6).astype(dtype)
+    keep = rng.random((3, 1, keys)) < 0.7  # broadcast over the 5 rows of each group
+    keep[:, :, 0] = True
+    keep[0] = False  # a group with nothing to attend to
+    s[1, 2, 0] = np.nan
+    s[2, 3, 0] = np.inf
+    with np.errstate(invalid="ignore"):  # inf / inf in the reference's +inf row
+        want_w, want_lse = softmax(s, where=keep), logsumexp(s, where=keep)
+    w, lse = flash.step_softmax_(s.copy(), keep, want_lse=True)
+    assert w.dtype == dtype and lse.dtype == dtype and w.shape == s.shape and lse.shape == s.shape[:-1]
+    tol = 2e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(w, want_w, rtol=tol, atol=0)
+    np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)
+    assert (w[0] == 0).all() and (lse[0] == -np.inf).all()  # nothing kept: zeros, no NaN
+    assert np.isnan(w[1, 2]).all() and np.isnan(w[2, 3]).any()  # NaN and +inf flow on, as in torch

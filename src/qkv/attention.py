@@ -336,9 +336,10 @@ def scaled_dot_product_attention(
     workers : int, optional
         Threads for the tiled path (default: the CPUs available).
     kernel : {"numpy", "numba"}, optional
-        The tiled path's block step (default :data:`qkv.flash.KERNEL`:
-        numba's compiled step where the ``qkv[fast]`` extra is installed,
-        NumPy's otherwise; both give the same results to rounding).
+        The softmax's block step, on both paths (the direct path runs one
+        step over all the keys; default :data:`qkv.flash.KERNEL`: numba's
+        compiled step where the ``qkv[fast]`` extra is installed, NumPy's
+        otherwise; both give the same results to rounding).
 
     Returns
     -------

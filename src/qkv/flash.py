@@ -166,7 +166,8 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None)
     total = np.zeros(len(s2), ACC)
     step(s2, keep2, m, total, False)
     empty = total == 0  # only rows with nothing kept: their numerators are all 0
-    s2 /= np.where(empty, 1, total).astype(dt)[:, None]
+    with np.errstate(invalid="ignore"):  # inf / inf where a score is +inf: NaN, as in torch, without a warning
+        s2 /= np.where(empty, 1, total).astype(dt)[:, None]
     out = s2.reshape(shape)
     if not want_lse:
         return out

@@ -162,3 +162,58 @@ def test_compiled_activation_keeps_nan_and_takes_the_numpy_route_off_contiguous(
     got = ACTIVATIONS[name](strided.copy()[::1], [np.empty_like(strided) for _ in range(3)])
     monkeypatch.setattr(flash, "KERNEL", "numpy")
     np.testing.assert_allclose(ACTIVATIONS[name](strided, [np.empty_like(strided) for _ in range(3)]), got, rtol=3e-7, atol=2e-7)
+
+
+# ------------------------------------------------------------- layer norm
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_layer_norm_matches_torch_and_numpy(torch, monkeypatch, dtype):
+    """The compiled LayerNorm (rows summed in float64) against torch in float64 and the NumPy passes:
+    rows with a large offset (cancellation), a constant row, in place and into out=."""
+    from qkv.models.functional import layer_norm
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((2, 37, 384)) * rng.uniform(0.1, 10, (2, 37, 1)) + rng.uniform(-1000, 1000, (2, 37, 1))).astype(dtype)
+    x[0, 0] = 5.0  # constant: variance 0, output the bias
+    w, b = (rng.standard_normal(384).astype(dtype) for _ in range(2))
+    want = torch.nn.functional.layer_norm(torch.from_numpy(x.astype(np.float64)), (384,), torch.from_numpy(w.astype(np.float64)), torch.from_numpy(b.astype(np.float64)), 1e-12).numpy()
+    monkeypatch.setattr(flash, "KERNEL", "numba")
+    got = layer_norm(x, w, b, 1e-12)
+    inplace = layer_norm(x.copy(), w, b, 1e-12, out=None)
+    into = np.empty_like(x)
+    assert layer_norm(x, w, b, 1e-12, out=into) is into
+    y = x.copy()
+    layer_norm(y, w, b, 1e-12, out=y)
+    monkeypatch.setattr(flash, "KERNEL", "numpy")
+    ref = layer_norm(x, w, b, 1e-12)
+    assert got.dtype == dtype
+    err, err_numpy = np.abs(got - want).max(), np.abs(ref - want).max()
+    eps = np.finfo(dtype).eps
+    if dtype == np.float32:  # torch's float64 is exact to float32's eye: a few roundings of the output
+        assert err <= 4 * eps * np.abs(want).max(), (err, err_numpy)
+    assert err <= err_numpy, (err, err_numpy)  # no worse than NumPy's passes (float32: far better, rows far from 0)
+    np.testing.assert_array_equal(got, inplace)
+    np.testing.assert_array_equal(got, into)
+    np.testing.assert_array_equal(got, y)
+    np.testing.assert_allclose(got[0, 0], b, rtol=0, atol=8 * eps * np.abs(b).max())
+
+
+def test_compiled_layer_norm_takes_the_numpy_route_where_it_does_not_apply(monkeypatch):
+    from qkv.models import functional
+
+    monkeypatch.setattr(flash, "KERNEL", "numba")
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    w, b = np.ones(6, np.float32), np.zeros(6, np.float32)
+    assert functional._compiled_norm(x, w, b, None)
+    assert not functional._compiled_norm(x[:, ::2], w[::2], b[::2], None)  # strided
+    assert not functional._compiled_norm(x, w.astype(np.float64), b, None)  # mixed dtypes
+    assert not functional._compiled_norm(x.astype(np.float16), w, b, None)
+    assert not functional._compiled_norm(x, w, b, np.empty((4, 6), np.float64))
+    monkeypatch.setattr(flash, "KERNEL", "numpy")
+    assert not functional._compiled_norm(x, w, b, None)
+    strided = x[:, ::2]
+    monkeypatch.setattr(flash, "KERNEL", "numba")
+    got = functional.layer_norm(strided, w[:3], b[:3], 1e-5)
+    monkeypatch.setattr(flash, "KERNEL", "numpy")
+    np.testing.assert_allclose(got, functional.layer_norm(np.ascontiguousarray(strided), w[:3], b[:3], 1e-5), rtol=1e-6)

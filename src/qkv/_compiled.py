@@ -38,7 +38,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-__all__ = ["block_step", "exp_into", "activation_"]
+__all__ = ["block_step", "exp_into", "activation_", "layer_norm_"]
 
 _INF = math.inf
 
@@ -310,3 +310,35 @@ def activation_(x: np.ndarray, kind: int) -> np.ndarray:
     bits = np.empty(_CHUNK, ints)
     _activation(x.reshape(-1), kind, np.empty(_CHUNK, x.dtype), np.empty(_CHUNK, x.dtype), bits, bits.view(x.dtype))
     return x
+
+
+# LayerNorm, a row at a time: NumPy's version is six passes over the whole (tokens, E) array with
+# two (tokens, 1) reductions between; here each row is read three times while it is in L1, and its
+# mean and variance are summed in float64 (NumPy sums float32 pairwise in float32).
+
+
+@njit(cache=True, nogil=True, fastmath={"contract", "reassoc"}, error_model="numpy")  # reassoc: the sums in SIMD lanes
+def _layer_norm_rows(x, weight, bias, eps, out):  # (N, E), (E,), (E,), float, (N, E) (may be x itself)
+    n, e = x.shape
+    dt = x.dtype.type
+    for i in range(n):
+        row = x[i]
+        total = 0.0
+        for j in range(e):
+            total += np.float64(row[j])
+        mean = total / e
+        square = 0.0
+        for j in range(e):  # two passes: the variance of the centred row, no cancellation
+            d = np.float64(row[j]) - mean
+            square += d * d
+        inv = 1.0 / math.sqrt(square / e + eps)
+        o = out[i]
+        for j in range(e):  # centred in float64: a float32 mean of rows far from 0 would round away their spread
+            o[j] = dt((np.float64(row[j]) - mean) * inv) * weight[j] + bias[j]
+
+
+def layer_norm_(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
+    """LayerNorm over the last axis of contiguous float32/float64 ``x`` into contiguous ``out`` (may be ``x``)."""
+    e = x.shape[-1]
+    _layer_norm_rows(x.reshape(-1, e), weight, bias, float(eps), out.reshape(-1, e))
+    return out

@@ -12,7 +12,9 @@ The activations are NumPy passes (16 for the exact GELU). With the
 ``qkv[fast]`` extra they run as one compiled loop instead (``qkv._compiled``,
 the same formulas with its vectorised ``exp``: 5x faster for the exact GELU,
 2x for the others, in float32), wherever the tiled attention's block step
-does (``qkv.flash.KERNEL``, ``QKV_KERNEL=numpy`` to turn both off).
+does (``qkv.flash.KERNEL``, ``QKV_KERNEL=numpy`` to turn both off). So does
+``layer_norm``: a row at a time, summed in float64 (2-3x faster than NumPy's
+passes on BERT's (672, 384) blocks, and no float32 cancellation for rows far from 0).
 """
 
 from __future__ import annotations
@@ -241,6 +243,17 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, out: np.ndarray |
     return y
 
 
+def _compiled_norm(x, weight, bias, out) -> bool:
+    """Whether the compiled LayerNorm runs: numba chosen, x a contiguous float32/float64 (..., E),
+    weight and bias contiguous (E,) and out None or contiguous like x, all in x's dtype."""
+    if _flash.KERNEL != "numba" or not isinstance(x, np.ndarray) or x.ndim == 0 or x.size == 0:
+        return False
+    if x.dtype not in (np.float32, np.float64) or not x.flags.c_contiguous:
+        return False
+    like = [(a, x.shape[-1:]) for a in (weight, bias)] + ([] if out is None else [(out, x.shape)])
+    return all(isinstance(a, np.ndarray) and a.dtype == x.dtype and a.shape == shape and a.flags.c_contiguous for a, shape in like)
+
+
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, *, out: np.ndarray | None = None) -> np.ndarray:
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
@@ -265,6 +278,10 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, 
     >>> layer_norm(np.array([[1.0, 2.0, 3.0]]), np.ones(3), np.zeros(3), 1e-12).round(4)
     array([[-1.2247,  0.    ,  1.2247]])
     """
+    if _compiled_norm(x, weight, bias, out):  # one compiled loop, a row at a time (qkv[fast])
+        from .._compiled import layer_norm_
+
+        return layer_norm_(x, weight, bias, eps, np.empty_like(x) if out is None else out)
     mean = x.mean(-1, keepdims=True)
     y = np.subtract(x, mean, out=out)
     var = np.mean(np.square(y), -1, keepdims=True)

@@ -126,6 +126,16 @@ def test_padding_never_changes_a_real_token(encoder):
     assert np.all(batch.last_hidden_state[0, n:] == 0)
 
 
+def test_sequences_with_no_real_token_come_out_zero(encoder):
+    """A batch whose attention_mask is all 0 (no token block at all), and one such row beside real ones."""
+    ids = np.array([[101, 2023, 102], [101, 2003, 102]])
+    out = encoder.model(ids, np.zeros_like(ids))
+    assert out.last_hidden_state.shape == (2, 3, 384) and np.all(out.last_hidden_state == 0)
+    mixed = encoder.model(ids, np.array([[1, 1, 1], [0, 0, 0]]))
+    np.testing.assert_array_equal(mixed.last_hidden_state[0], encoder.model(ids[:1]).last_hidden_state[0])
+    assert np.all(mixed.last_hidden_state[1] == 0)
+
+
 def test_encode_is_independent_of_batching(encoder):
     a = encoder.encode(SENTENCES[:10], batch_size=3)
     b = encoder.encode(SENTENCES[:10], batch_size=32)

@@ -239,8 +239,8 @@ class BertModel:
         keep = real[:, None, None, :] & real[:, None, :, None]  # (B, 1, L, L)
         act = ACTIVATIONS[cfg.hidden_act]
         # Token blocks: as few as keep every worker busy, each at most block_rows, of equal size.
-        n = workers * -(-T // (workers * self.block_rows))
-        size = -(-T // n)
+        n = max(1, workers * -(-T // (workers * self.block_rows)))
+        size = max(1, -(-T // n))  # no real token at all: no block
         rows = [slice(i, i + size) for i in range(0, T, size)]
         batches = [slice(i, i + -(-B // workers)) for i in range(0, B, -(-B // workers))]  # sequence blocks
 
@@ -280,8 +280,8 @@ class BertModel:
             run_all([lambda b=b: attend(b) for b in batches], workers)
             merged = ctx.reshape(B * L, E)  # (B * L, E), a view; each block gathers its real tokens' rows
             # 3. Output projection, residual + LayerNorm, feed-forward, residual + LayerNorm, token-wise,
-            #    in blocks whose (rows, F) activations stay in cache, in per-thread scratch buffers
-            #    (fresh large temporaries cost page faults on every call).
+            #    in the same blocks, in per-thread scratch buffers (fresh large temporaries cost page
+            #    faults on every call).
             new_h = np.empty_like(h)
 
             def mlp(r, layer=layer, mha=mha, merged=merged, h=h, new_h=new_h):

@@ -1,14 +1,15 @@
 """Embedding a corpus: texts/s of qkv (one process, and Dask with 1 and 2 workers) vs sentence-transformers, and memory.
 
-Run:  python benchmarks/bench_corpus.py [--lines 20000] [--big 100000]
+Run:  python benchmarks/bench_corpus.py [--lines 20000] [--big 100000] [--part 2000]
 
-(On the 2-core machine of docs/benchmarks.md, 20,000 such lines take about 6 minutes per run;
-the figures there were taken with --lines 3000 --big 50000.)
+(On the 2-core machine of docs/benchmarks.md, 20,000 such lines take about 6 minutes a run;
+the whole benchmark about 35 minutes.)
 
 The corpus: ``--lines`` lines of mixed length (3 to 60 words, drawn with a fixed seed from a
 word list). Throughput: ``qkv.models.embed_file`` (streamed into a .npy), ``embed_corpus`` on a
 LocalCluster of 1 and 2 worker processes, and sentence-transformers' ``encode`` (batch 32,
-torch on the same threads), same lines. Memory: peak resident set of a separate
+torch on the same threads), same lines; qkv's ``embed_file`` and sentence-transformers take turns
+on parts of ``--part`` lines, so that a drift of the machine's speed falls on both. Memory: peak resident set of a separate
 ``qkv embed --input`` process on 10,000 and ``--big`` short lines (3 to 8 words; Linux: VmHWM),
 to show it stays flat as the corpus grows. Prints a table and rewrites the "corpus" section of docs/benchmarks.md.
 """
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", type=int, default=20000)
     ap.add_argument("--big", type=int, default=100000)
+    ap.add_argument("--part", type=int, default=2000, help="lines a turn: qkv and sentence-transformers alternate on parts this long")
     ap.add_argument("--search-rows", type=int, default=1_000_000)
     ap.add_argument("--skip-throughput", action="store_true", help="only the search and memory figures (for a quick look; writes nothing)")
     ap.add_argument("--no-write", action="store_true")
@@ -110,23 +112,38 @@ def main(argv=None) -> int:
         src = tmp / "corpus.txt"
         corpus(src, args.lines)
         lines = src.read_text().splitlines()
+        # qkv and sentence-transformers take turns on parts of the corpus (which goes first alternates),
+        # so that this machine's drift (10-30 % over half an hour) falls on both alike.
         enc = load_model()
-        t0 = time.perf_counter()
-        embed_file(enc, src, tmp / "qkv.npy", progress=False)
-        rows.append(("qkv embed_file (one process)", time.perf_counter() - t0))
-        print(rows[-1], flush=True)
+        st = SentenceTransformer(str(default_model_dir()), device="cpu")
+        warnings.simplefilter("ignore")  # sentence-transformers' and the over-long lines' warnings
+        enc.encode(lines[:64])
+        st.encode(lines[:64], batch_size=32)
+        ours, theirs, ratios, got, ref = 0.0, 0.0, [], [], []
+        for i in range(0, len(lines), args.part):
+            part = tmp / f"part{i}.txt"
+            part.write_text("\n".join(lines[i : i + args.part]) + "\n")
+            for who in ("qkv", "st") if (i // args.part) % 2 == 0 else ("st", "qkv"):
+                t0 = time.perf_counter()
+                if who == "qkv":
+                    embed_file(enc, part, tmp / f"qkv{i}.npy", progress=False)
+                    t_ours = time.perf_counter() - t0
+                else:
+                    ref.append(st.encode(lines[i : i + args.part], batch_size=32, convert_to_numpy=True))
+                    t_theirs = time.perf_counter() - t0
+            got.append(np.load(tmp / f"qkv{i}.npy"))
+            ours, theirs = ours + t_ours, theirs + t_theirs
+            ratios.append(t_theirs / t_ours)
+            print(f"part {i // args.part}: qkv {t_ours:.1f} s, sentence-transformers {t_theirs:.1f} s, x{ratios[-1]:.2f}", flush=True)
+        rows.append(("qkv embed_file (one process)", ours))
+        np.save(tmp / "qkv.npy", np.concatenate(got))
+        ref = np.concatenate(ref)
         for w in (1, 2):
             t0 = time.perf_counter()
             embed_corpus(src, tmp / f"dask{w}.npy", workers=w)
-            rows.append((f"qkv embed_corpus, Dask LocalCluster, {w} worker{'s' if w > 1 else ''} (incl. start-up)", time.perf_counter() - t0))
+            rows.append((f"qkv embed_corpus, Dask LocalCluster, {w} worker{'s' if w > 1 else ''} (incl. start-up; not interleaved)", time.perf_counter() - t0))
             print(rows[-1], flush=True)
-        st = SentenceTransformer(str(default_model_dir()), device="cpu")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t0 = time.perf_counter()
-            ref = st.encode(lines, batch_size=32, convert_to_numpy=True)
-            rows.append(("sentence-transformers encode (torch)", time.perf_counter() - t0))
-        print(rows[-1], flush=True)
+        rows.append(("sentence-transformers encode (torch)", theirs))
         diff = float(np.abs(np.load(tmp / "qkv.npy") - ref).max())
         diff_dask = float(np.abs(np.load(tmp / "dask2.npy") - np.load(tmp / "qkv.npy")).max())
         mem = []
@@ -143,7 +160,10 @@ def main(argv=None) -> int:
 
 `python benchmarks/bench_corpus.py --lines {args.lines} --big {args.big}` on {machine()}, {threads} threads for
 everyone. {args.lines} lines of 3 to 60 words (mixed length, seeded), all-MiniLM-L6-v2, batch 32. The
-"vs" column is speed relative to sentence-transformers (above 1: faster). Largest difference from
+"vs" column is speed relative to sentence-transformers (above 1: faster). qkv's `embed_file` and
+sentence-transformers take turns on parts of {args.part} lines (who goes first alternates), so that the
+machine's drift falls on both; per part, sentence-transformers' time over qkv's ranged
+x{min(ratios):.2f}-x{max(ratios):.2f} (median x{float(np.median(ratios)):.2f}). The Dask runs come after, on the whole file. Largest difference from
 sentence-transformers' embeddings: {diff:.1e}; Dask (2 workers) vs one process: {diff_dask:.1e}.
 
 {chr(10).join(table)}

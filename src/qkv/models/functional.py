@@ -246,9 +246,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, out: np.ndarray |
 def _compiled_norm(x, weight, bias, out) -> bool:
     """Whether the compiled LayerNorm runs: numba chosen, x a contiguous float32/float64 (..., E),
     weight and bias contiguous (E,) and out None or contiguous like x, all in x's dtype."""
-    if _flash.KERNEL != "numba" or not isinstance(x, np.ndarray) or x.ndim == 0 or x.size == 0:
-        return False
-    if x.dtype not in (np.float32, np.float64) or not x.flags.c_contiguous:
+    if _compiled(x) is None or x.ndim == 0 or x.size == 0:  # the activations' own test for x
         return False
     like = [(a, x.shape[-1:]) for a in (weight, bias)] + ([] if out is None else [(out, x.shape)])
     return all(isinstance(a, np.ndarray) and a.dtype == x.dtype and a.shape == shape and a.flags.c_contiguous for a, shape in like)

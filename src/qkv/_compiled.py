@@ -38,7 +38,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-__all__ = ["block_step", "exp_into", "activation_", "layer_norm_"]
+__all__ = ["block_step", "softmax_rows", "exp_into", "activation_", "layer_norm_"]
 
 _INF = math.inf
 
@@ -235,6 +235,40 @@ def block_step(s, sbits, keep, use_keep, m, total, factor, fold, tau, ys, bits, 
                 acc += p
             total[i] += acc
     return moved, grew
+
+
+def _as_ints(a):  # pragma: no cover - a stub: numba compiles the overload below in its place
+    """``a`` read as integers of its float width (a view)."""
+    raise NotImplementedError
+
+
+@overload(_as_ints, inline="always")
+def _as_ints_overload(a):
+    if a.dtype == types.float32:
+        return lambda a: a.view(np.int32)
+    if a.dtype == types.float64:
+        return lambda a: a.view(np.int64)
+    return None
+
+
+@njit(cache=True, nogil=True, error_model="numpy")  # numpy: no zero-division check, so the division vectorises
+def softmax_rows(s, keep, use_keep, tau, m, total):  # (R, C), (R, C) or (1, 1) bool, bool, scalar, (R,), (R,) float64
+    """The direct path's softmax in one call: ``block_step`` over all the keys (``m``
+    all -inf on entry: no shift yet, so each row's shift is its maximum; ``total``
+    zeros), then each row divided by its sum rounded to the row's dtype, as
+    ``qkv.flash.step_softmax_`` does with NumPy. A row with nothing kept stays zeros;
+    inf / inf where a score is +inf gives NaN, as in torch.
+    """
+    rows, cols = s.shape
+    factors = np.empty(cols, s.dtype)
+    bits = _as_ints(factors)  # the exponent bits, read back as floats by the sum
+    block_step(s, _as_ints(s), keep, use_keep, m, total, np.empty(rows, s.dtype), False, tau, np.empty(cols, s.dtype), bits, factors)
+    for i in range(rows):
+        if total[i] != 0:
+            d = s.dtype.type(total[i])
+            row = s[i]
+            for j in range(cols):
+                row[j] = row[j] / d
 
 
 @njit(cache=True, nogil=True)

@@ -158,16 +158,21 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None)
     it is contiguous; rows with nothing kept come out zero (log-sum-exp
     ``-inf``).
     """
-    step = _KERNELS[check_kernel(KERNEL if kernel is None else kernel)]
+    name = check_kernel(KERNEL if kernel is None else kernel)
     shape, dt = s.shape, s.dtype
     s2 = s.reshape(-1, shape[-1])  # (R, S): a view of the caller's fresh scores
     keep2 = None if keep is None else np.ascontiguousarray(np.broadcast_to(keep, shape)).reshape(s2.shape)
     m = np.full(len(s2), -np.inf, dt)  # no shift yet: the step takes each row's maximum
     total = np.zeros(len(s2), ACC)
-    step(s2, keep2, m, total, False)
-    empty = total == 0  # only rows with nothing kept: their numerators are all 0
-    with np.errstate(invalid="ignore"):  # inf / inf where a score is +inf: NaN, as in torch, without a warning
-        s2 /= np.where(empty, 1, total).astype(dt)[:, None]
+    if name == "numba":  # the same step, then the same division, in one compiled call
+        from ._compiled import softmax_rows
+
+        softmax_rows(s2, _NO_KEEP if keep2 is None else keep2, keep2 is not None, dt.type(TAU), m, total)
+    else:
+        _KERNELS[name](s2, keep2, m, total, False)
+        empty = total == 0  # only rows with nothing kept: their numerators are all 0
+        with np.errstate(invalid="ignore"):  # inf / inf where a score is +inf: NaN, as in torch, without a warning
+            s2 /= np.where(empty, 1, total).astype(dt)[:, None]
     out = s2.reshape(shape)
     if not want_lse:
         return out

@@ -117,6 +117,36 @@ def test_attention_probabilities_match_transformers_eager(encoder, hf_model, tor
             np.testing.assert_allclose(ours[b, :n], theirs.numpy()[b, :n], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_any_attention_mask_matches_transformers(encoder, hf_model, torch, workers):
+    """Masks that are not right padding (left padding, holes, runs of equal lengths longer
+    than a worker's share, a row with nothing real) against transformers' eager BERT: every
+    real token's hidden state and weights; zeros at the masked positions."""
+    _, ids, _, types = encoder.tokenize(["The river bank was steep and green after the rain."] * 7)
+    rng = np.random.default_rng(workers)
+    mask = (rng.random(ids.shape) < 0.7).astype(np.int64)
+    mask[:4] = mask[0]  # four sequences of one length, in a row: cut between workers
+    mask[4, : ids.shape[1] // 2] = 0  # left padding
+    mask[5] = 0  # nothing real
+    model = encoder.model
+    saved, model.workers = model.workers, workers
+    try:
+        out = model(ids, mask, types, output_attentions=True, output_hidden_states=True)
+    finally:
+        model.workers = saved
+    with torch.no_grad():
+        ref = hf_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), token_type_ids=torch.from_numpy(types), output_attentions=True, output_hidden_states=True)
+    real = mask.astype(bool)
+    both = real[:, None, :, None] & real[:, None, None, :]  # (B, 1, L, L) real query and real key
+    for ours, theirs in zip(out.attentions, ref.attentions):
+        theirs = np.broadcast_to(theirs.numpy(), ours.shape)
+        np.testing.assert_allclose(np.where(both, ours, 0), np.where(both, theirs, 0), atol=1e-5, rtol=0)
+        assert np.all(ours[~np.broadcast_to(both, ours.shape)] == 0)
+    for ours, theirs in zip(out.hidden_states, ref.hidden_states):
+        np.testing.assert_allclose(ours[real], theirs.numpy()[real], atol=1e-4, rtol=0)
+        assert np.all(ours[~real] == 0)
+
+
 def test_padding_never_changes_a_real_token(encoder):
     alone = encoder.encode_batch(["The bank of the river."])
     batch = encoder.encode_batch(["The bank of the river.", "A much longer sentence that forces a lot of padding on the first one here."])

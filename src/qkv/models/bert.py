@@ -9,8 +9,9 @@ One layer, one formula per line (post-LayerNorm, as BERT)::
 
 The token-wise parts (embeddings, LayerNorms, feed-forward) run on the real
 tokens only, packed into one ``(T, E)`` matrix: padding costs nothing there
-and cannot change a real token's result. Attention runs on the padded
-``(B, L, E)`` batch with a mask that hides the padding.
+and cannot change a real token's result. Attention runs on each sequence's
+real tokens, which are neighbouring rows of that matrix: no padding, so no
+mask (the same numbers as a padding mask would give).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import numpy as np
 
 from .._parallel import default_workers, run_all, scratch
 from ..attention import scaled_dot_product_attention
-from ..heads import split_heads
 from ..layers import MultiHeadAttention
 from .errors import ModelError
 from .files import FieldReader, read_json
@@ -108,6 +108,24 @@ class _Layer:
         self.attention = attention
         self.ln1, self.ln2 = ln1, ln2  # (weight, bias) pairs
         self.w1, self.b1, self.w2, self.b2 = w1, b1, w2, b2  # (E, F), (F,), (F, E), (E,): pre-transposed for x @ w
+
+
+def _attention_groups(lengths: np.ndarray, workers: int) -> list[tuple[int, int, int, int]]:  # (B,) -> [(b0, b1, start, n)]
+    """Sequences ``b0 <= b < b1`` of one real length ``n`` whose tokens are the packed rows
+    from ``start``: runs of neighbours (a batch sorted by length has few), each cut to at
+    most B / workers sequences so that every worker has some, largest work first.
+    """
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    most = max(1, -(-len(lengths) // workers))
+    groups, b = [], 0
+    while b < len(lengths):
+        e = b + 1
+        while e < len(lengths) and lengths[e] == lengths[b] and e - b < most:
+            e += 1
+        if lengths[b]:  # a sequence with no real token has nothing to attend
+            groups.append((b, e, int(starts[b]), int(lengths[b])))
+        b = e
+    return sorted(groups, key=lambda g: -(g[1] - g[0]) * g[3] ** 2)
 
 
 class BertModel:
@@ -235,14 +253,12 @@ class BertModel:
         positions = np.broadcast_to(np.arange(L), (B, L)).ravel()[flat]
         h = self.word[ids.ravel()[flat]] + self.position[positions] + self.token_type[types.ravel()[flat]]  # (T, E)
         h = layer_norm(h, *self.ln_emb, eps)
-        # Padding queries and padding keys are both masked: padding rows come out zero.
-        keep = real[:, None, None, :] & real[:, None, :, None]  # (B, 1, L, L)
         act = ACTIVATIONS[cfg.hidden_act]
         # Token blocks: as few as keep every worker busy, each at most block_rows, of equal size.
         n = max(1, workers * -(-T // (workers * self.block_rows)))
         size = max(1, -(-T // n))  # no real token at all: no block
         rows = [slice(i, i + size) for i in range(0, T, size)]
-        batches = [slice(i, i + -(-B // workers)) for i in range(0, B, -(-B // workers))]  # sequence blocks
+        groups = _attention_groups(real.sum(axis=1), workers)
 
         def unpack(x):  # (T, X) -> (B, L, X), zeros at padding
             out = np.zeros((B * L, x.shape[-1]), x.dtype)
@@ -252,43 +268,44 @@ class BertModel:
         hidden, attentions = [], []
         if output_hidden_states:
             hidden.append(unpack(h))
-        F = cfg.intermediate_size
-        grid = np.zeros((B * L, 3 * E), np.float32)  # the fused projections on the padded grid; padding rows stay 0
-        ctx = np.empty((B, L, H, E // H), np.float32)  # the attention's output, heads merged by the layout
+        F, D = cfg.intermediate_size, E // H
+        qkv = np.empty((T, 3 * E), np.float32)  # the fused projections of the real tokens, packed
+        ctx = np.empty((T, E), np.float32)  # the attention's output, heads merged: (T, H, D) read flat
         for layer in self.layers:
             mha = layer.attention
 
-            # 1. Query/key/value projections, token-wise: real tokens only, one fused matmul, each
-            #    block's rows then put at their places in the padded grid (by the same worker).
+            # 1. Query/key/value projections, token-wise: one fused matmul per block of real tokens.
             def project(r, mha=mha, h=h):
-                n = len(range(*r.indices(T)))
-                qkv = scratch("bert.qkv", (n, 3 * E), np.float32)
-                mha.project_qkv(h[r], out=qkv)  # writes q, k and v side by side into qkv
-                grid[flat[r]] = qkv
+                mha.project_qkv(h[r], out=qkv[r])  # writes q, k and v side by side
 
             run_all([lambda r=r: project(r) for r in rows], workers)
-            # 2. Attention per sequence, on the padded grid: qkv's core function.
-            q, k, v = (split_heads(grid[:, i * E : (i + 1) * E].reshape(B, L, E), H) for i in range(3))  # (B, H, L, D)
-            weights = np.empty((B, H, L, L), np.float32) if output_attentions else None
+            # 2. Attention, qkv's core function, on each sequence's real tokens: a group of
+            #    sequences of one length n is a (m, n, 3, H, D) slice of the packed rows, and
+            #    needs no mask (the masked attention over padded rows gives the same numbers).
+            weights = np.zeros((B, H, L, L), np.float32) if output_attentions else None
 
-            def attend(b, q=q, k=k, v=v, weights=weights):
-                res = scaled_dot_product_attention(q[b], k[b], v[b], mask=keep[b], return_weights=output_attentions, implementation="direct")
+            def attend(b0, b1, start, n):
+                x = qkv[start : start + (b1 - b0) * n].reshape(b1 - b0, n, 3, H, D)
+                q, k, v = (np.swapaxes(x[:, :, i], 1, 2) for i in range(3))  # (m, H, n, D) views
+                res = scaled_dot_product_attention(q, k, v, return_weights=output_attentions, implementation="direct")
                 if output_attentions:
-                    res, weights[b] = res
-                ctx[b] = np.swapaxes(res, -3, -2)  # (b, H, L, D) -> (b, L, H, D): merge_heads' layout
+                    res, w = res  # (m, H, n, n)
+                    for j, b in enumerate(range(b0, b1)):
+                        at = np.flatnonzero(real[b])  # (n,) the positions of b's real tokens
+                        weights[b][:, at[:, None], at] = w[j]
+                ctx[start : start + (b1 - b0) * n].reshape(b1 - b0, n, H, D)[:] = np.swapaxes(res, 1, 2)
 
-            run_all([lambda b=b: attend(b) for b in batches], workers)
-            merged = ctx.reshape(B * L, E)  # (B * L, E), a view; each block gathers its real tokens' rows
+            run_all([lambda g=g: attend(*g) for g in groups], workers)
             # 3. Output projection, residual + LayerNorm, feed-forward, residual + LayerNorm, token-wise,
             #    in the same blocks, in per-thread scratch buffers (fresh large temporaries cost page
             #    faults on every call).
             new_h = np.empty_like(h)
 
-            def mlp(r, layer=layer, mha=mha, merged=merged, h=h, new_h=new_h):
+            def mlp(r, layer=layer, mha=mha, h=h, new_h=new_h):
                 n = len(range(*r.indices(T)))
                 x, f = scratch("bert.x", (n, E), np.float32), scratch("bert.f", (n, E), np.float32)
                 u = scratch("bert.u", (n, F), np.float32)
-                mha.project_out(merged[flat[r]], out=x)
+                mha.project_out(ctx[r], out=x)
                 x += h[r]
                 layer_norm(x, *layer.ln1, eps, out=x)  # (rows, E)
                 np.matmul(x, layer.w1, out=u)

@@ -36,7 +36,8 @@ import math
 
 import numpy as np
 from numba import njit, types
-from numba.extending import overload
+from llvmlite import ir
+from numba.extending import intrinsic, overload
 
 __all__ = ["block_step", "softmax_rows", "exp_into", "activation_", "layer_norm_"]
 
@@ -280,32 +281,41 @@ def exp_into(x, out, ys, bits, factors):  # (n,), (n,), (n,), (n,) ints, the sam
 
 # Activations, fused: the models' ``qkv.models.functional`` uses these in place of its NumPy
 # passes (about 16 passes over a (tokens, F) array for the exact GELU) where numba is installed.
-# Each works in chunks that stay in L1: pass 1 the exponential's two parts (vectorised), pass 2
-# the rest of the formula. The formulas are the NumPy ones of ``qkv.models.functional``.
+# One vectorised loop: the exponential's two parts, its power of two turned into a float in a
+# register (``_float_from_bits``), then the rest of the formula. The formulas are the NumPy ones
+# of ``qkv.models.functional``.
 
-_CHUNK = 1024
 _ERF_P = 0.3275911 / math.sqrt(2)  # A&S 7.1.26's p, for erfc(|x| / sqrt 2)
 _ERF_A = tuple(0.5 * c for c in (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429))  # the 0.5 of Phi folded in
 _TANH_C = math.sqrt(2 / math.pi)
 
 
-@njit(cache=True, nogil=True, fastmath={"contract"})
-def _activation_arg(x, kind, arg):  # (n,) -> arg (n,): the exponent each activation needs, <= 0 (no overflow)
-    dt = x.dtype.type
-    if kind == 0:  # exact GELU: exp(-x^2 / 2)
-        for j in range(x.shape[0]):
-            arg[j] = x[j] * x[j] * dt(-0.5)
-    elif kind == 1:  # tanh GELU: exp(-2 |z|), z = c (x + 0.044715 x^3)
-        for j in range(x.shape[0]):
-            a = abs(x[j])
-            arg[j] = dt(-2 * _TANH_C) * (a + dt(0.044715) * a * a * a)
-    else:  # SiLU: exp(-|x|)
-        for j in range(x.shape[0]):
-            arg[j] = -abs(x[j])
+@intrinsic
+def _float_from_bits(typingctx, bits, like):
+    """The float of ``like``'s type whose bits are ``bits`` (an integer, cut or widened to that width)."""
+    if not isinstance(bits, types.Integer) or like not in (types.float32, types.float64):
+        return None
+    width = like.bitwidth
+
+    def codegen(context, builder, signature, args):
+        value = args[0]
+        if bits.bitwidth > width:
+            value = builder.trunc(value, ir.IntType(width))
+        elif bits.bitwidth < width:
+            value = builder.sext(value, ir.IntType(width))
+        return builder.bitcast(value, context.get_value_type(like))
+
+    return like(bits, like), codegen
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})  # a plain call: LLVM inlines it (numba-level inlining of the overload warns)
+def _exp(x):  # x <= 0 (or any x in the supported range) -> exp(x): the step's polynomial, in registers
+    y, bits = _exp_parts(x)
+    return y * _float_from_bits(bits, y)
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")  # numpy: no zero-division check, so the loop vectorises
-def _activation_finish(x, kind, ys, factors):  # x (n,) <- the activation, from exp(arg) = ys * factors
+def _activation(x, kind):  # x (N,) in place: 0 exact GELU, 1 tanh GELU, 2 SiLU
     dt = x.dtype.type
     one, zero = dt(1), dt(0)
     if kind == 0:  # gelu(x) = max(x, 0) - |x| q, q = 1 - Phi(|x|) (see qkv.models.functional)
@@ -318,31 +328,20 @@ def _activation_finish(x, kind, ys, factors):  # x (n,) <- the activation, from 
             y = (y + dt(_ERF_A[2])) * t
             y = (y + dt(_ERF_A[1])) * t
             y = (y + dt(_ERF_A[0])) * t
-            x[j] = (zero if v < zero else v) - a * (y * (ys[j] * factors[j]))  # NaN stays NaN: "v < 0" is False
-    else:  # x sigmoid(w): 1 / (1 + e) for w >= 0, e / (1 + e) below, e = exp(-|w|); w = 2z or x
+            x[j] = (zero if v < zero else v) - a * (y * _exp(v * v * dt(-0.5)))  # NaN stays NaN: "v < 0" is False
+    else:  # x sigmoid(w): 1 / (1 + e) for w >= 0, e / (1 + e) below, e = exp(-|w|); w = 2z (tanh GELU) or x
         for j in range(x.shape[0]):
             v = x[j]
-            e = ys[j] * factors[j]
+            a = abs(v)
+            w = dt(2 * _TANH_C) * (a + dt(0.044715) * a * a * a) if kind == 1 else a  # |w|
+            e = _exp(-w)
             sig = one / (one + e)
             x[j] = v * (sig if v >= zero else e * sig)  # NaN: NaN times a finite factor
 
 
-@njit(cache=True, nogil=True)
-def _activation(flat, kind, arg, ys, bits, factors):  # flat (N,) in place; the rest (_CHUNK,) scratch
-    no_keep = arg[:1] != arg[:1]  # _exp_pass's mask argument, unused (use_keep False)
-    for i0 in range(0, flat.shape[0], _CHUNK):
-        x = flat[i0 : min(i0 + _CHUNK, flat.shape[0])]
-        n = x.shape[0]
-        _activation_arg(x, kind, arg[:n])
-        _exp_pass(arg[:n], no_keep, False, x.dtype.type(0), x.dtype.type(_INF), ys, bits)
-        _activation_finish(x, kind, ys, factors)
-
-
 def activation_(x: np.ndarray, kind: int) -> np.ndarray:
     """In place on a contiguous float32/float64 array: 0 exact GELU, 1 tanh GELU, 2 SiLU."""
-    ints = np.int32 if x.dtype == np.float32 else np.int64
-    bits = np.empty(_CHUNK, ints)
-    _activation(x.reshape(-1), kind, np.empty(_CHUNK, x.dtype), np.empty(_CHUNK, x.dtype), bits, bits.view(x.dtype))
+    _activation(x.reshape(-1), kind)
     return x
 
 

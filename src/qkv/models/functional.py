@@ -10,8 +10,9 @@ dependency).
 
 The activations are NumPy passes (16 for the exact GELU). With the
 ``qkv[fast]`` extra they run as one compiled loop instead (``qkv._compiled``,
-the same formulas with its vectorised ``exp``: 5x faster for the exact GELU,
-2x for the others, in float32), wherever the tiled attention's block step
+the same formulas with its vectorised ``exp``, in one pass: 5x faster for the
+exact GELU, 2x for the others, in float32; a (672, 1536) block's GELU takes
+2.4 ms against 12.1), wherever the tiled attention's block step
 does (``qkv.flash.KERNEL``, ``QKV_KERNEL=numpy`` to turn both off). So does
 ``layer_norm``: a row at a time, summed in float64 (2-3x faster than NumPy's
 passes on BERT's (672, 384) blocks, and no float32 cancellation for rows far from 0).

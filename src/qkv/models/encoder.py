@@ -90,6 +90,15 @@ class EncoderOutput:
     attentions: tuple | None = None
 
 
+def _arrays(encodings: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # -> ids, mask, types (B, L)
+    """A batch's arrays from encodings padded on the right: cut to the batch's longest text."""
+    L = max((sum(e.attention_mask) for e in encodings), default=0)
+    ids = np.array([e.ids[:L] for e in encodings], dtype=np.int64).reshape(len(encodings), L)
+    mask = np.array([e.attention_mask[:L] for e in encodings], dtype=np.int64).reshape(len(encodings), L)
+    types = np.array([e.type_ids[:L] for e in encodings], dtype=np.int64).reshape(len(encodings), L)
+    return ids, mask, types
+
+
 class SentenceEncoder:
     """A tokenizer, a :class:`BertModel` and a pooling step: text in, vectors out.
 
@@ -116,17 +125,20 @@ class SentenceEncoder:
 
     def tokenize(self, texts: Sequence[str]):
         """Token ids of a batch, padded to its longest text, truncated (with a warning) to ``max_seq_length``."""
-        texts = _texts(texts)
+        encodings = self._encode(_texts(texts), stacklevel=4)
+        ids, mask, types = _arrays(encodings)
+        tokens = [[t for t, m in zip(e.tokens, e.attention_mask) if m] for e in encodings]
+        return tokens, ids, mask, types
+
+    def _encode(self, texts: list[str], *, stacklevel: int, first: int = 0) -> list:
+        """The tokenizer's encodings (padded on the right to the longest), one warning per truncated text
+        (numbered from ``first``)."""
         encodings = self.tokenizer.encode_batch(texts)
         for i, enc in enumerate(encodings):
             if enc.overflowing:
                 short = texts[i] if len(texts[i]) <= 40 else texts[i][:37] + "..."
-                warnings.warn(f"text {i} ({short!r}) is longer than max_seq_length={self.max_seq_length} tokens: truncated to {self.max_seq_length}", stacklevel=3)
-        ids = np.array([e.ids for e in encodings], dtype=np.int64)
-        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
-        types = np.array([e.type_ids for e in encodings], dtype=np.int64)
-        tokens = [[t for t, m in zip(e.tokens, e.attention_mask) if m] for e in encodings]
-        return tokens, ids, mask, types
+                warnings.warn(f"text {first + i} ({short!r}) is longer than max_seq_length={self.max_seq_length} tokens: truncated to {self.max_seq_length}", stacklevel=stacklevel)
+        return encodings
 
     def _pool(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
         m = mask[..., None].astype(hidden.dtype)  # (B, L, 1)
@@ -157,26 +169,38 @@ class SentenceEncoder:
     def encode(self, texts, *, batch_size: int = 32, progress: bool = False) -> np.ndarray:
         """Sentence embeddings, ``(N, E)`` float32, in the order of ``texts`` (any iterable of str).
 
-        Texts are sorted by length and run in batches of ``batch_size``, so
-        little padding is computed; the results do not depend on batching
-        beyond float rounding. ``progress`` shows a bar on stderr (tqdm).
-        For a corpus larger than memory, see :func:`qkv.models.corpus.embed_file`.
+        Texts are tokenized ``batch_size * 16`` at a time (the tokenizer runs on
+        all threads), sorted by token count within that window and run in
+        batches of ``batch_size``: a batch then holds runs of texts of one
+        length, which the encoder's attention takes together, and little
+        padding. The results do not depend on batching beyond float rounding.
+        ``progress`` shows a bar on stderr (tqdm). For a corpus larger than
+        memory, see :func:`qkv.models.corpus.embed_file`.
         """
         texts = _texts(texts)
         if batch_size < 1:
             raise ValueError(f"batch_size should be >= 1, got {batch_size}")
-        order = np.argsort([-len(t) for t in texts], kind="stable")
         out = np.empty((len(texts), self.model.config.hidden_size), np.float32)
-        starts = range(0, len(texts), batch_size)
+        window = batch_size * 16  # texts tokenized and sorted together: bounded memory for any number of texts
+        bar = None
         if progress:
             import sys
 
             from tqdm import tqdm
 
-            starts = tqdm(starts, unit="batch", file=sys.stderr, desc="embedding")
-        for start in starts:
-            idx = order[start : start + batch_size]
-            out[idx] = self.encode_batch([texts[i] for i in idx]).sentence_embeddings
+            bar = tqdm(total=len(texts), unit="texts", file=sys.stderr, desc="embedding")
+        for w0 in range(0, len(texts), window):
+            encodings = self._encode(texts[w0 : w0 + window], stacklevel=3, first=w0)
+            lengths = np.array([sum(e.attention_mask) for e in encodings], dtype=np.int64)
+            order = np.argsort(-lengths, kind="stable")  # longest first: the first batch shows the peak memory
+            for start in range(0, len(order), batch_size):
+                idx = order[start : start + batch_size]
+                ids, mask, types = _arrays([encodings[i] for i in idx])
+                out[w0 + idx] = self._pool(self.model(ids, mask, types).last_hidden_state, mask)
+                if bar is not None:
+                    bar.update(len(idx))
+        if bar is not None:
+            bar.close()
         return out
 
 

@@ -2,8 +2,8 @@
 
 Row ``i`` of the output is always line ``i`` of the input (an empty line gets
 the embedding of the empty text). Lines are read in chunks of
-``batch_size * chunk_batches``; each chunk is sorted by length into batches
-(little padding), embedded, and written at its rows of a ``.npy`` (plain
+``batch_size * chunk_batches``; each chunk is sorted by token count into
+batches (little padding), embedded, and written at its rows of a ``.npy`` (plain
 file writes, not a memory map: see ``qkv._files.NpyRows``), so neither the
 corpus nor its embeddings need to fit in memory. After each
 chunk a small ``OUT.npy.progress.json`` records how far the run got: a run

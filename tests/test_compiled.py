@@ -79,6 +79,28 @@ def _blocks(dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_softmax_is_the_compiled_step_then_numpys_division(dtype):
+    """The direct path's one-call softmax (_compiled.softmax_rows) is the compiled block step
+    followed by the NumPy route's division, bit for bit: masks, an empty row, NaN, +inf."""
+    rng = np.random.default_rng(3)
+    for shape in [(2, 12, 60, 60), (3, 7, 300), (5, 1)]:
+        s = (rng.standard_normal(shape) * 5).astype(dtype)
+        keep = rng.random(shape) < 0.8
+        keep[0] = False  # nothing to attend to: zeros
+        s.reshape(-1)[-1] = np.inf
+        s.reshape(-1)[-2 - shape[-1]] = np.nan
+        for k in (keep, None):
+            want = s.copy().reshape(-1, shape[-1])
+            m, total = np.full(len(want), -np.inf, dtype), np.zeros(len(want))
+            flash._compiled_step(want, None if k is None else k.reshape(want.shape), m, total, False)
+            with np.errstate(invalid="ignore"):
+                want /= np.where(total == 0, 1, total).astype(dtype)[:, None]
+            got, lse = flash.step_softmax_(s.copy(), k, want_lse=True, kernel="numba")
+            np.testing.assert_array_equal(got, want.reshape(shape))  # NaN where NaN
+            assert got.dtype == dtype and lse.dtype == dtype and lse.shape == shape[:-1]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_compiled_step_equals_the_numpy_step(dtype):
     rng = np.random.default_rng(1)
     tol = 1e-6 if dtype == np.float32 else 1e-12

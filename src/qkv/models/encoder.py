@@ -90,9 +90,8 @@ class EncoderOutput:
     attentions: tuple | None = None
 
 
-def _arrays(encodings: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # -> ids, mask, types (B, L)
-    """A batch's arrays from encodings padded on the right: cut to the batch's longest text."""
-    L = max((sum(e.attention_mask) for e in encodings), default=0)
+def _arrays(encodings: list, L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # -> ids, mask, types (B, L)
+    """A batch's arrays from encodings padded on the right, cut to ``L`` tokens (the batch's longest text)."""
     ids = np.array([e.ids[:L] for e in encodings], dtype=np.int64).reshape(len(encodings), L)
     mask = np.array([e.attention_mask[:L] for e in encodings], dtype=np.int64).reshape(len(encodings), L)
     types = np.array([e.type_ids[:L] for e in encodings], dtype=np.int64).reshape(len(encodings), L)
@@ -126,7 +125,7 @@ class SentenceEncoder:
     def tokenize(self, texts: Sequence[str]):
         """Token ids of a batch, padded to its longest text, truncated (with a warning) to ``max_seq_length``."""
         encodings = self._encode(_texts(texts), stacklevel=4)
-        ids, mask, types = _arrays(encodings)
+        ids, mask, types = _arrays(encodings, max(sum(e.attention_mask) for e in encodings))
         tokens = [[t for t, m in zip(e.tokens, e.attention_mask) if m] for e in encodings]
         return tokens, ids, mask, types
 
@@ -195,7 +194,7 @@ class SentenceEncoder:
             order = np.argsort(-lengths, kind="stable")  # longest first: the first batch shows the peak memory
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
-                ids, mask, types = _arrays([encodings[i] for i in idx])
+                ids, mask, types = _arrays([encodings[i] for i in idx], int(lengths[idx].max()))
                 out[w0 + idx] = self._pool(self.model(ids, mask, types).last_hidden_state, mask)
                 if bar is not None:
                     bar.update(len(idx))

@@ -97,7 +97,12 @@ def test_compiled_softmax_is_the_compiled_step_then_numpys_division(dtype):
                 want /= np.where(total == 0, 1, total).astype(dtype)[:, None]
             got, lse = flash.step_softmax_(s.copy(), k, want_lse=True, kernel="numba")
             np.testing.assert_array_equal(got, want.reshape(shape))  # NaN where NaN
+            with np.errstate(divide="ignore"):
+                np.testing.assert_array_equal(lse, (np.log(total) + np.where(np.isfinite(m), m, 0)).astype(dtype).reshape(shape[:-1]))
             assert got.dtype == dtype and lse.dtype == dtype and lse.shape == shape[:-1]
+            spread = np.zeros(shape[:-1] + (2 * shape[-1],), dtype)
+            spread[..., ::2] = s  # scores that are not contiguous: the kernel works on a copy
+            np.testing.assert_array_equal(flash.step_softmax_(spread[..., ::2], k, kernel="numba"), got)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -252,22 +252,69 @@ def _as_ints_overload(a):
     return None
 
 
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _exp_flat(x):  # (N,) in place, every x <= 0 or -inf: x <- exp(x), the step's polynomial
+    for j in range(x.shape[0]):
+        x[j] = _exp(x[j])
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})  # reassoc: the sum in SIMD lanes, as _scale_sum's
+def _row_sum(row):  # (C,) -> the float64 sum, rounded to the row's dtype as _scale_sum rounds it
+    total = 0.0
+    for j in range(row.shape[0]):
+        total += np.float64(row[j])
+    return row.dtype.type(total)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")  # numpy: no zero-division check, so the division vectorises
-def softmax_rows(s, keep, use_keep, tau, m, total):  # (R, C), (R, C) or (1, 1) bool, bool, scalar, (R,), (R,) float64
-    """The direct path's softmax in one call: ``block_step`` over all the keys (``m``
-    all -inf on entry: no shift yet, so each row's shift is its maximum; ``total``
-    zeros), then each row divided by its sum rounded to the row's dtype, as
+def softmax_rows(s, keep, use_keep, tau, m, total):  # (R, C) C-contiguous, (R, C) or (1, 1) bool, bool, scalar, (R,), (R,) float64
+    """The direct path's softmax in one call: the numbers of ``block_step`` over all the
+    keys (``m`` all -inf on entry: no shift yet, so each row's shift is its maximum;
+    ``total`` zeros), then each row divided by its sum rounded to the row's dtype, as
     ``qkv.flash.step_softmax_`` does with NumPy. A row with nothing kept stays zeros;
     inf / inf where a score is +inf gives NaN, as in torch.
+
+    Done in passes over the whole block rather than a row at a time: the shift comes
+    off each row, then one exponential pass runs over all ``R * C`` scores. On the
+    short rows of an encoder (C of 20 to 60) a pass per row spent as long in the
+    vector loop's scalar remainder as in its body (measured: 4.6 -> 3.2 ns a score
+    at C = 40, float32). ``tau`` is unused: every row takes its own maximum.
     """
     rows, cols = s.shape
-    factors = np.empty(cols, s.dtype)
-    bits = _as_ints(factors)  # the exponent bits, read back as floats by the sum
-    block_step(s, _as_ints(s), keep, use_keep, m, total, np.empty(rows, s.dtype), False, tau, np.empty(cols, s.dtype), bits, factors)
+    zero = s.dtype.type(0)
+    sbits = _as_ints(s)
+    cell = np.empty(1, s.dtype)  # reads the maximum's bits back as a float
+    odd = np.zeros(rows, np.bool_)  # rows with a NaN or +inf score: the scalar route, as block_step
     for i in range(rows):
+        row = s[i]
+        if use_keep:
+            _hide(row, keep[i])
+        top_bits, nan = _max_key(sbits[i])
+        _as_ints(cell)[0] = top_bits
+        top = cell[0]
+        if nan or top == _INF:
+            odd[i] = True
+        elif top != -_INF:  # something kept: the row's maximum is its shift
+            m[i] = top
+            for j in range(cols):
+                row[j] = row[j] - top
+    saved = s[odd].copy()  # their scores, before the pass below overwrites them
+    _exp_flat(s.reshape(-1))  # -inf (masked, or a row with nothing kept) -> 0
+    b = 0
+    for i in range(rows):
+        row = s[i]
+        if odd[i]:  # no shift, math.exp and a float sum: NaN and inf show in the output
+            acc = zero
+            for j in range(cols):
+                p = math.exp(saved[b, j])
+                row[j] = p
+                acc += p
+            b += 1
+            total[i] = acc
+        else:
+            total[i] = _row_sum(row)
         if total[i] != 0:
             d = s.dtype.type(total[i])
-            row = s[i]
             for j in range(cols):
                 row[j] = row[j] / d
 

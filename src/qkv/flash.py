@@ -167,6 +167,7 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None)
     if name == "numba":  # the same step, then the same division, in one compiled call
         from ._compiled import softmax_rows
 
+        s2 = np.ascontiguousarray(s2)  # the kernel's passes run over the block flat
         softmax_rows(s2, _NO_KEEP if keep2 is None else keep2, keep2 is not None, dt.type(TAU), m, total)
     else:
         _KERNELS[name](s2, keep2, m, total, False)

@@ -70,8 +70,17 @@ def cases(family: str, seed: int = 0, limit: int | None = None, max_len: int = 2
             return
 
 
+IMPLEMENTATIONS = ["direct", "tiled", "torch-reordered"]
+
+
 def error_ratio(case, torch, implementation: str) -> tuple[float, float, float, float]:
-    """(ratio, qkv's max error, torch's max error, allowance) for qkv float32 on ``implementation``.
+    """(ratio, max error, torch's max error, allowance) for a float32 ``implementation``.
+
+    ``implementation``: qkv's ``"direct"`` or ``"tiled"`` path, or ``"torch-reordered"``:
+    torch's float32 math SDPA itself on the same case with its keys (and values, mask
+    and bias columns) in another order, which changes nothing but the order of the
+    sums. Its ratio is the reference's own spread: how far a max error moves against
+    another one of equal accuracy.
 
     ``allowance`` is the rounding term FlashAttention's newer tests add to the bound
     (``err <= 2 * err_torch + fwd_atol``, ``fwd_atol = 2 * max|(ref + 0.3) - 0.3 - ref|`` in the
@@ -83,19 +92,25 @@ def error_ratio(case, torch, implementation: str) -> tuple[float, float, float, 
 
     q, k, v, mask, bias = case["q"], case["k"], case["v"], case["mask"], case["bias"]
     G = q.shape[1] // k.shape[1]
+    add = np.zeros(q.shape[:-1] + (k.shape[-2],)) if bias is None else np.array(bias)
+    if mask is not None:
+        add = np.where(mask, add, -np.inf)
 
-    def torch_sdpa(dtype):
-        t = [torch.tensor(x, dtype=dtype) for x in (q, np.repeat(k, G, axis=1), np.repeat(v, G, axis=1))]
-        add = np.zeros(q.shape[:-1] + (k.shape[-2],)) if bias is None else np.array(bias)
-        if mask is not None:
-            add = np.where(mask, add, -np.inf)
+    def torch_sdpa(dtype, order=slice(None)):
+        t = [torch.tensor(x, dtype=dtype) for x in (q, np.repeat(k[..., order, :], G, axis=1), np.repeat(v[..., order, :], G, axis=1))]
         with sdpa_kernel(SDPBackend.MATH):
-            return torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=torch.tensor(add, dtype=dtype)).numpy().astype(np.float64)
+            return torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=torch.tensor(add[..., order], dtype=dtype)).numpy().astype(np.float64)
 
     ref = torch_sdpa(torch.float64)
     pt = torch_sdpa(torch.float32)
-    f32 = lambda x: None if x is None else np.asarray(x, np.float32)  # noqa: E731
-    ours = sdpa(f32(q), f32(k), f32(v), mask=mask, bias=f32(bias), implementation=implementation).astype(np.float64)
+    if implementation == "torch-reordered":
+        order = np.random.default_rng(k.shape[-2]).permutation(k.shape[-2])
+        if not np.allclose(torch_sdpa(torch.float64, order), ref, rtol=0, atol=1e-12):
+            raise RuntimeError(f"{case['name']}: reordered keys changed the float64 result; mask or bias columns not reordered with them")
+        ours = torch_sdpa(torch.float32, order)
+    else:
+        f32 = lambda x: None if x is None else np.asarray(x, np.float32)  # noqa: E731
+        ours = sdpa(f32(q), f32(k), f32(v), mask=mask, bias=f32(bias), implementation=implementation).astype(np.float64)
     e_ours, e_pt = float(np.abs(ours - ref).max()), float(np.abs(pt - ref).max())
     floor = 0.5 * np.finfo(np.float32).eps * float(np.abs(ref).max())  # both exact to rounding: no ratio of noise
     ref32 = ref.astype(np.float32)

@@ -20,3 +20,11 @@ def test_float32_error_within_flash_attention_bound(torch, family, implementatio
     ratios = [error_ratio(c, torch, implementation)[0] for c in cases(family, limit=6, max_len=1024)]
     assert max(ratios) <= BOUND, ratios
     assert np.median(ratios) <= 1.5, ratios
+
+
+@pytest.mark.parametrize("family", ["padding", "bias_mask"])
+def test_torch_with_its_keys_reordered_is_as_accurate_as_torch(torch, family):
+    """The reference's own spread (bench_accuracy's "torch-reordered" rows): the same sums in
+    another order. error_ratio checks that the reordering leaves the float64 result as it is."""
+    ratios = [error_ratio(c, torch, "torch-reordered")[0] for c in cases(family, limit=6, max_len=1024)]
+    assert 0.5 <= np.median(ratios) <= 1.5, ratios

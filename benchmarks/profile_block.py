@@ -5,7 +5,9 @@ Run:  python benchmarks/profile_block.py
 One thread (BLAS pinned to 1, torch.set_num_threads(1)), float32 and float64, one
 384 x 768 block with D = 64: the score GEMM (K = 65, with the ones column), the value
 GEMM, the NumPy block step and the compiled one (steady blocks, and a row's first block, which finds
-its maximum before the exponentials), in ns per score. Then, at N = 4096,
+its maximum before the exponentials), in ns per score. The direct path's softmax
+(``flash.step_softmax_``) on an encoder batch's short rows (16 x 12 x 60 x 60) and on long ones,
+with and without a key-padding mask, beside ``torch.softmax``. Then, at N = 4096,
 H = 8: a loop of only the two GEMMs over every block (384 x 512), against torch SDPA on one thread,
 the bound a faster step cannot pass. Prints; writes nothing.
 """
@@ -60,6 +62,26 @@ def main() -> None:
 
                 row.append(f"(first block {(med(first) - copy) / n * 1e9:.2f})")
             print(", ".join(row), "ns per score")
+
+        # The direct path's softmax (flash.step_softmax_): an encoder batch's short rows, and long rows.
+        for shape in ((16, 12, 60, 60), (1, 8, 384, 768)):
+            rng = np.random.default_rng(2)
+            base = rng.standard_normal(shape).astype(np.float32)
+            pad = np.arange(shape[-1]) < shape[-1] * 3 // 4  # a key-padding mask: the last quarter hidden
+            scores = base.copy()
+            copy = med(lambda: np.copyto(scores, base))
+            row = []
+            for name in flash.kernel_names():
+                for keep, label in ((None, ""), (pad, " masked")):
+
+                    def softmax():
+                        np.copyto(scores, base)
+                        flash.step_softmax_(scores, keep, kernel=name)
+
+                    row.append(f"{name}{label} {(med(softmax) - copy) / base.size * 1e9:.2f}")
+            ts = torch.from_numpy(base)
+            row.append(f"torch.softmax {med(lambda: torch.softmax(ts, dim=-1)) / base.size * 1e9:.2f}")
+            print(f"softmax over {shape} float32: " + ", ".join(row), "ns per score")
 
         N, H = 4096, 8
         rng = np.random.default_rng(1)

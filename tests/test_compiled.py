@@ -105,6 +105,14 @@ def test_compiled_softmax_is_the_compiled_step_then_numpys_division(dtype):
             np.testing.assert_array_equal(flash.step_softmax_(spread[..., ::2], k, kernel="numba"), got)
 
 
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (2, 0, 4)])
+def test_softmax_step_of_empty_scores(kernel, shape):
+    out, lse = flash.step_softmax_(np.zeros(shape, np.float32), None, want_lse=True, kernel=kernel)
+    assert out.shape == shape and lse.shape == shape[:-1] and lse.dtype == np.float32
+    assert np.all(lse == -np.inf)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_compiled_step_equals_the_numpy_step(dtype):
     rng = np.random.default_rng(1)

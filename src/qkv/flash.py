@@ -160,6 +160,8 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None)
     """
     name = check_kernel(KERNEL if kernel is None else kernel)
     shape, dt = s.shape, s.dtype
+    if s.size == 0:  # no rows, or rows with no keys: nothing to attend to (lse -inf)
+        return (s, np.full(shape[:-1], -np.inf, dt)) if want_lse else s
     s2 = s.reshape(-1, shape[-1])  # (R, S): a view of the caller's fresh scores
     keep2 = None if keep is None else np.ascontiguousarray(np.broadcast_to(keep, shape)).reshape(s2.shape)
     m = np.full(len(s2), -np.inf, dt)  # no shift yet: the step takes each row's maximum

@@ -130,9 +130,9 @@ def _scale_sum(row, ys, factors):  # (C,), (C,), (C,) -> sum; row <- ys * factor
 
 @njit(cache=True, nogil=True)
 def _hide(row, keep):  # (C,), (C,) bool: masked keys become -inf
-    hidden = row.dtype.type(-_INF)
     for j in range(row.shape[0]):
-        row[j] = row[j] if keep[j] else hidden  # a select and a store every time: vectorises, a branch did not
+        if not keep[j]:
+            row[j] = -_INF
 
 
 def _key_constants(rowbits):  # pragma: no cover - a stub: numba compiles the overload below in its place

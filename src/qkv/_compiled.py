@@ -129,6 +129,18 @@ def _scale_sum(row, ys, factors):  # (C,), (C,), (C,) -> sum; row <- ys * factor
 
 
 @njit(cache=True, nogil=True)
+def _scalar_exp_sum(x, sub, out):  # (C,), scalar, (C,) (may be x) -> sum: out <- exp(x - sub) by math.exp
+    """The route for a row holding NaN or +inf: libm's exp and a plain sum, so that NaN
+    and inf reach the output as on the NumPy path."""
+    acc = x.dtype.type(0)
+    for j in range(x.shape[0]):
+        p = math.exp(x[j] - sub)
+        out[j] = p
+        acc += p
+    return acc
+
+
+@njit(cache=True, nogil=True)
 def _hide(row, keep):  # (C,), (C,) bool: masked keys become -inf
     for j in range(row.shape[0]):
         if not keep[j]:
@@ -206,8 +218,7 @@ def block_step(s, sbits, keep, use_keep, m, total, factor, fold, tau, ys, bits, 
         if use_keep:
             _hide(row, k)
         top_bits, bad = _max_key(sbits[i])
-        bits[0] = top_bits  # the scratch row, as a cell that reads back as a float
-        top = s.dtype.type(np.nan) if bad else factors[0]
+        top = s.dtype.type(np.nan) if bad else _float_from_bits(top_bits, zero)
         new = not np.isfinite(mi)  # no shift yet
         shift = zero if new else mi
         rise = top if fold else top - shift
@@ -229,12 +240,7 @@ def block_step(s, sbits, keep, use_keep, m, total, factor, fold, tau, ys, bits, 
             _exp_pass(row, k, False, sub, _INF, ys, bits)  # masked keys are -inf in the row by now
             total[i] += _scale_sum(row, ys, factors)
         else:  # NaN or +inf in the row: the scalar exp, whose NaN and inf the output must show
-            acc = zero
-            for j in range(cols):
-                p = math.exp(row[j] - sub)
-                row[j] = p
-                acc += p
-            total[i] += acc
+            total[i] += _scalar_exp_sum(row, sub, row)
     return moved, grew
 
 
@@ -267,7 +273,7 @@ def _row_sum(row):  # (C,) -> the float64 sum, rounded to the row's dtype as _sc
 
 
 @njit(cache=True, nogil=True, error_model="numpy")  # numpy: no zero-division check, so the division vectorises
-def softmax_rows(s, keep, use_keep, tau, m, total):  # (R, C) C-contiguous, (R, C) or (1, 1) bool, bool, scalar, (R,), (R,) float64
+def softmax_rows(s, keep, use_keep, m, total):  # (R, C) C-contiguous, (R, C) or (1, 1) bool, bool, (R,), (R,) float64
     """The direct path's softmax in one call: the numbers of ``block_step`` over all the
     keys (``m`` all -inf on entry: no shift yet, so each row's shift is its maximum;
     ``total`` zeros), then each row divided by its sum rounded to the row's dtype, as
@@ -278,20 +284,18 @@ def softmax_rows(s, keep, use_keep, tau, m, total):  # (R, C) C-contiguous, (R, 
     off each row, then one exponential pass runs over all ``R * C`` scores. On the
     short rows of an encoder (C of 20 to 60) a pass per row spent as long in the
     vector loop's scalar remainder as in its body (measured: 4.6 -> 3.2 ns a score
-    at C = 40, float32). ``tau`` is unused: every row takes its own maximum.
+    at C = 40, float32).
     """
     rows, cols = s.shape
     zero = s.dtype.type(0)
     sbits = _as_ints(s)
-    cell = np.empty(1, s.dtype)  # reads the maximum's bits back as a float
     odd = np.zeros(rows, np.bool_)  # rows with a NaN or +inf score: the scalar route, as block_step
     for i in range(rows):
         row = s[i]
         if use_keep:
             _hide(row, keep[i])
         top_bits, nan = _max_key(sbits[i])
-        _as_ints(cell)[0] = top_bits
-        top = cell[0]
+        top = _float_from_bits(top_bits, zero)
         if nan or top == _INF:
             odd[i] = True
         elif top != -_INF:  # something kept: the row's maximum is its shift
@@ -303,14 +307,9 @@ def softmax_rows(s, keep, use_keep, tau, m, total):  # (R, C) C-contiguous, (R, 
     b = 0
     for i in range(rows):
         row = s[i]
-        if odd[i]:  # no shift, math.exp and a float sum: NaN and inf show in the output
-            acc = zero
-            for j in range(cols):
-                p = math.exp(saved[b, j])
-                row[j] = p
-                acc += p
+        if odd[i]:  # no shift, as block_step: NaN and inf show in the output
+            total[i] = _scalar_exp_sum(saved[b], zero, row)
             b += 1
-            total[i] = acc
         else:
             total[i] = _row_sum(row)
         if total[i] != 0:

@@ -170,7 +170,7 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None)
         from ._compiled import softmax_rows
 
         s2 = np.ascontiguousarray(s2)  # the kernel's passes run over the block flat
-        softmax_rows(s2, _NO_KEEP if keep2 is None else keep2, keep2 is not None, dt.type(TAU), m, total)
+        softmax_rows(s2, _NO_KEEP if keep2 is None else keep2, keep2 is not None, m, total)
     else:
         _KERNELS[name](s2, keep2, m, total, False)
         empty = total == 0  # only rows with nothing kept: their numerators are all 0

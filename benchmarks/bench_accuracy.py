@@ -56,16 +56,16 @@ def main(argv=None) -> int:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [f"| {f} | {i} | {n} | {m:.2f} | {p90:.2f} | {mx:.2f} | {over} | {fails} |" for f, i, n, m, p90, mx, over, fails in rows]
-    def over(impl):  # (cases over 2, cases, worst ratio) of one implementation over every family
-        mine = [r for r in rows if r[1] == impl]
+
+    def tally(impls):  # (cases over 2, cases, worst ratio) of these implementations over every family
+        mine = [r for r in rows if r[1] in impls]
         return sum(r[6] for r in mine), sum(r[2] for r in mine), max(r[5] for r in mine)
 
-    qkv_over = [over(i) for i in ("direct", "tiled")]
-    torch_over = over("torch-reordered")
+    qkv_over, torch_over = tally(("direct", "tiled")), tally(("torch-reordered",))
     lines += [
         "",
-        f"Over all families: qkv's two paths have {qkv_over[0][0] + qkv_over[1][0]} of {qkv_over[0][1] + qkv_over[1][1]} cases over 2 "
-        f"(worst {max(qkv_over[0][2], qkv_over[1][2]):.2f}); torch against itself, keys reordered, {torch_over[0]} of {torch_over[1]} "
+        f"Over all families: qkv's two paths have {qkv_over[0]} of {qkv_over[1]} cases over 2 "
+        f"(worst {qkv_over[2]:.2f}); torch against itself, keys reordered, {torch_over[0]} of {torch_over[1]} "
         f"(worst {torch_over[2]:.2f}). A single case over 2 is the spread of one max error against another, which the "
         "reference shows too, not a less accurate kernel.",
         "",

@@ -20,11 +20,13 @@ def kernel(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[(384, 768), (7, 5)], ids=["default-blocks", "tiny-blocks"])
+@pytest.fixture(params=[(384, 768, 128), (7, 5, 3)], ids=["default-blocks", "tiny-blocks"])
 def blocks(request, monkeypatch):
-    """Run each test with the default blocks and with tiny ones (many blocks, many rescales)."""
+    """Run each test with the default blocks and with tiny ones (many blocks, many rescales,
+    blocks a window shows in part cut into slices of 3 query positions)."""
     monkeypatch.setattr(flash, "BLOCK_Q", request.param[0])
     monkeypatch.setattr(flash, "BLOCK_K", request.param[1])
+    monkeypatch.setattr(flash, "EDGE_ROWS", request.param[2])
     monkeypatch.setattr(flash, "VALUE_CHUNK", min(flash.VALUE_CHUNK, request.param[1] * 3 // 5))  # the value product in pieces too
     return request.param
 
@@ -118,6 +120,21 @@ def test_tiled_dropout_drops_the_same_weights_as_direct(blocks):
     np.testing.assert_array_equal(sdpa(q, k, v, dropout_p=1.0, rng=0, implementation="tiled"), 0)
 
 
+def test_a_first_block_of_very_low_scores_gives_no_warning(monkeypatch):
+    # Second key block: row 0's maximum rises 20 above its shift (its sum is rescaled), while
+    # row 1, which saw nothing before, takes its maximum -100 as its shift. exp(100) overflows
+    # float32: it was once computed for row 1 too and thrown away, with a warning (found by hypothesis).
+    monkeypatch.setattr(flash, "BLOCK_K", 5)
+    q = np.array([[1.0], [-5.0]], np.float32)
+    k = np.array([[0.0]] * 5 + [[20.0]] * 5, np.float32)
+    v = np.arange(10, dtype=np.float32)[:, None]
+    mask = np.arange(10) >= np.array([[0], [5]])  # row 1 sees only the last five keys
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = sdpa(q, k, v, mask=mask, implementation="tiled")
+    np.testing.assert_allclose(got, [[7.0], [7.0]], rtol=1e-6)  # the last five values' mean: the others weigh e^-20 or nothing
+
+
 def test_fully_masked_rows_and_empty_keys_give_zeros():
     rng = np.random.default_rng(4)
     q, k, v = rng.standard_normal((6, 4)), rng.standard_normal((3, 4)), rng.standard_normal((3, 2))
@@ -135,6 +152,36 @@ def test_window_blocks_are_skipped_or_unmasked():
     keep = flash._block_keep(8, 16, 8, 16, 0, (None, 0))
     np.testing.assert_array_equal(keep, masks.causal(8))
     assert flash._visible_range(32, 40, 0, (4, 0), 64) == (28, 40)  # sliding window: only nearby keys
+
+
+@pytest.mark.parametrize("window", [(None, 0), (200, 0), (100, 50)], ids=["causal", "sliding", "both-sides"])
+def test_partly_visible_blocks_skip_their_hidden_corner(monkeypatch, window):
+    # Count the scores the products compute: the causal diagonal's hidden half is not computed.
+    seen = []
+
+    def counting(q, k_t, *args, **kw):
+        seen.append(q.shape[-2] * k_t.shape[-1])
+        return product(q, k_t, *args, **kw)
+
+    product = flash.score_product
+    monkeypatch.setattr(flash, "score_product", counting)
+    monkeypatch.setattr(flash, "EDGE_ROWS", 64)  # six slices of a 384-row block
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 1000, 8)) for _ in range(3))
+    want = sdpa(q, k, v, window=window, implementation="direct")
+    seen.clear()  # the direct path's product
+    got = sdpa(q, k, v, window=window, implementation="tiled")
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    i, j = np.arange(1000)[:, None], np.arange(1000)
+    left, right = window
+    visible = int(((j <= i + right) & ((left is None) | (j >= i - (left or 0)))).sum())
+    sliced = sum(seen)
+    seen.clear()
+    monkeypatch.setattr(flash, "EDGE_ROWS", 10**9)  # whole blocks, as before slicing
+    np.testing.assert_allclose(sdpa(q, k, v, window=window, implementation="tiled"), got, rtol=1e-12, atol=1e-12)
+    whole = sum(seen)
+    assert visible <= sliced < whole
+    assert sliced - visible <= 0.5 * (whole - visible)  # most of the wasted corner is gone
 
 
 def test_merge_attention_over_key_splits_equals_full_attention():

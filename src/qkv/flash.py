@@ -72,6 +72,7 @@ BLOCK_K = 768  #: keys per step (a 384 x 768 float32 block is about one core's L
 TAU = 8.0  #: how far above the running shift a score may go before the shift moves
 ACC = np.float64
 VALUE_CHUNK = 384
+EDGE_ROWS = 192  #: query positions per slice of a block that a causal mask or window shows in part
 ROWWISE = 4  #: score products with at most this many query rows per head go a row at a time
 
 
@@ -115,7 +116,7 @@ def block_step(s, keep, m, total, fold: bool):  # (R, C), (R, C) bool or None, (
         d = np.where(need & np.isfinite(top), np.where(new, top, rise), 0).astype(dt)  # the shift's move
         grow = need & ~new
         if grow.any():
-            factor = np.where(grow, np.exp(-d), 1).astype(dt)
+            factor = np.exp(-np.where(grow, d, 0)).astype(dt)  # exp of the other rows' d would overflow (d < -88 in float32) and warn
             total *= factor
         m[:] = np.where(need, np.where(new, 0, m) + d, m)
     if fold:
@@ -228,20 +229,58 @@ def _visible_range(i0: int, i1: int, offset: int, window, S: int) -> tuple[int, 
     return lo, max(lo, hi)
 
 
-def _block_keep(i0, i1, j0, j1, offset, window):
-    """The window's (rows, cols) keep-mask for a block, or None when the block is entirely visible."""
+def _block_full(i0, i1, j0, j1, offset, window) -> bool:
+    """Whether every query in rows [i0, i1) may see every key in [j0, j1) under the window."""
     left, right = window
-    full = (right is None or j1 - 1 <= i0 + offset + right) and (left is None or j0 >= i1 - 1 + offset - left)
-    if full:
+    return (right is None or j1 - 1 <= i0 + offset + right) and (left is None or j0 >= i1 - 1 + offset - left)
+
+
+def _block_keep(i0, i1, j0, j1, offset, window, bands=None):
+    """The window's (rows, cols) keep-mask for a block, or None when the block is entirely visible.
+
+    The mask depends only on the block's shape and its diagonal's place, which repeat
+    for every head and batch: ``bands``, a dict, keeps the masks made (read-only) for reuse.
+    """
+    if _block_full(i0, i1, j0, j1, offset, window):
         return None
-    i = np.arange(i0, i1)[:, None] + offset
-    j = np.arange(j0, j1)[None, :]
-    keep = np.ones((i1 - i0, j1 - j0), bool)
-    if right is not None:
-        keep &= j <= i + right
-    if left is not None:
-        keep &= j >= i - left
+    left, right = window
+    # keep[i, j]: lower <= j - i <= upper, in the block's own indices
+    key = (i1 - i0, j1 - j0, None if right is None else i0 + offset + right - j0, None if left is None else i0 + offset - left - j0)
+    keep = None if bands is None else bands.get(key)
+    if keep is None:
+        rows, cols, upper, lower = key
+        i, j = np.arange(rows)[:, None], np.arange(cols)[None, :]
+        keep = np.ones((rows, cols), bool)
+        if upper is not None:
+            keep &= j <= i + upper
+        if lower is not None:
+            keep &= j >= i + lower
+        if bands is not None and len(bands) < 16:  # a few shapes: the diagonal's places repeat with the blocks
+            keep.flags.writeable = False
+            bands[key] = keep
     return keep
+
+
+def _pieces(i0, i1, j0, j1, offset, window, G):
+    """The block's rows in slices of ``EDGE_ROWS`` query positions, each with the keys it may see.
+
+    A list of (rows, positions, c0, c1): ``rows`` a slice of the block's (G x n)
+    rows, holding ``positions`` query positions of each head, and [c0, c1) the
+    keys they may see, relative to ``j0``. One piece (all rows, all keys) unless
+    the window shows the block only in part (the causal diagonal): then the two
+    products skip each slice's hidden keys, about half of a diagonal block.
+    """
+    n, C = i1 - i0, j1 - j0
+    if window is None or n <= EDGE_ROWS or _block_full(i0, i1, j0, j1, offset, window):
+        return [(slice(None), n, 0, C)]
+    pieces = []
+    for g in range(G):  # a slice of positions is one run of rows in each query head of the group
+        for a0 in range(i0, i1, EDGE_ROWS):
+            a1 = min(a0 + EDGE_ROWS, i1)
+            lo, hi = _visible_range(a0, a1, offset, window, j1)  # hi capped at the block's end
+            c0 = max(lo, j0) - j0
+            pieces.append((slice(g * n + a0 - i0, g * n + a1 - i0), a1 - a0, c0, max(hi - j0, c0)))
+    return pieces
 
 
 def _block_index(x, nd, nb, bidx, hk, i0, i1, j0, j1):
@@ -256,10 +295,10 @@ def _block_of(x, nd, nb, G, bidx, hk, i0, i1, j0, j1):
     return np.broadcast_to(_block_index(x, nd, nb, bidx, hk, i0, i1, j0, j1), (G, i1 - i0, j1 - j0))
 
 
-def _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset):
+def _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset, bands=None):
     """The (G, rows, cols) or (rows, cols) keep-mask of a block (window and mask), None when all is
     visible, or False when nothing is: the block is then skipped."""
-    keep = None if window is None else _block_keep(i0, i1, j0, j1, offset, window)
+    keep = None if window is None else _block_keep(i0, i1, j0, j1, offset, window, bands)
     if mask is not None:
         mb = _block_of(mask, nd, nb, G, bidx, hk, i0, i1, j0, j1)
         keep = mb if keep is None else mb & keep
@@ -321,6 +360,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     fold = bias is None
 
     nd, nb = len(batch) + 4, len(batch)  # (..., Hk, G, L, S) and its batch dims
+    bands = {}  # the window's keep-masks by block shape and diagonal, shared by the work items
 
     def work(bidx, hk, i0):
         i1 = min(i0 + bq, L)
@@ -342,11 +382,16 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             if interrupted():
                 return
             j1 = min(j0 + bk, hi)
-            keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)
+            keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset, bands)
             if keep is False:
                 continue
+            pieces = _pieces(i0, i1, j0, j1, offset, window, G)  # one, or slices of a block the window shows in part
             s = scratch("s", (rows, j1 - j0), dt)
-            score_product(qx, kx[j0:j1].T, n, out=s)  # scores * scale (- m when folded)
+            for r, positions, c0, c1 in pieces:
+                if c1 > c0:
+                    score_product(qx[r], kx[j0 + c0 : j0 + c1].T, positions, out=s[r, c0:c1])  # scores * scale (- m when folded)
+                s[r, :c0] = 0  # keys the slice may not see: not computed; the window's keep-mask hides them
+                s[r, c1:] = 0
             s3 = s.reshape(G, n, j1 - j0)
             if not fold:
                 s3 += _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off in the step, once
@@ -359,10 +404,11 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                 qx[:, D] = -np.where(np.isfinite(m), m, 0)
             if dropout_p:
                 s3 *= _dropout_block(dropout_key, dropout_p, keep_scale, dt, batch, bidx, Hq, hk, G, L, S, i0, i1, j0, j1)
-            for c0 in range(0, j1 - j0, VALUE_CHUNK):
-                c1 = min(c0 + VALUE_CHUNK, j1 - j0)
-                np.matmul(s[:, c0:c1], vx[j0 + c0 : j0 + c1], out=tmp)
-                acc += tmp
+            for r, _, c0, c1 in pieces:
+                for a in range(c0, c1, VALUE_CHUNK):
+                    e = min(a + VALUE_CHUNK, c1)
+                    np.matmul(s[r, a:e], vx[j0 + a : j0 + e], out=tmp[r])
+                    acc[r] += tmp[r]
         nan = np.isnan(total)
         seen = (total > 0) | nan
         res = (acc / np.where(seen, total, 1)[:, None]).astype(dt)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("qkv", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+# QKV_EXAMPLES=3000 for a deeper search than the default 60 examples a property.
+settings.register_profile("qkv", deadline=None, max_examples=int(os.environ.get("QKV_EXAMPLES", 60)), suppress_health_check=[HealthCheck.too_slow])
 # CI: the same examples on every run, so that main stays green for a known reason; locally each
 # run explores new ones (pass --hypothesis-seed to replay one).
 settings.register_profile("ci", parent=settings.get_profile("qkv"), derandomize=True)

@@ -5,6 +5,7 @@ exponential's error bound, the step itself on hostile blocks, and how the kernel
 CI installs numba (the [test] extra includes [fast]), so these tests run there.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -117,11 +118,22 @@ def test_softmax_step_of_empty_scores(kernel, shape):
 def test_compiled_step_equals_the_numpy_step(dtype):
     rng = np.random.default_rng(1)
     tol = 1e-6 if dtype == np.float32 else 1e-12
-    for s, keep, m, fold in _blocks(dtype, rng):
+    for (s0, keep, m0, fold), spanned in itertools.product(_blocks(dtype, rng), [False, True]):
+        s, m = s0.copy(), m0.copy()  # each case twice: the steps work in place
         total = rng.random(s.shape[0]).astype(dtype)
+        span = None
+        if spanned:  # each row sees a random range of keys (some none, some all), as a window's diagonal block gives
+            ends = np.sort(rng.integers(0, s.shape[1] + 1, (2, s.shape[0])), axis=0)
+            span = (ends[0], ends[1])
         want_s, want_m, want_total = s.copy(), m.copy(), total.copy()
-        want_moved, want_factor = flash.block_step(want_s, keep, want_m, want_total, fold)
-        moved, factor = flash._compiled_step(s, keep, m, total, fold)
+        if spanned:  # the reference: the span as a keep-mask
+            j = np.arange(s.shape[1])
+            inside = (j >= span[0][:, None]) & (j < span[1][:, None])
+            want_moved, want_factor = flash.block_step(want_s, inside if keep is None else keep & inside, want_m, want_total, fold)
+            np.testing.assert_array_equal(want_s[~inside], 0)
+        else:
+            want_moved, want_factor = flash.block_step(want_s, keep, want_m, want_total, fold)
+        moved, factor = flash._compiled_step(s, keep, m, total, fold, span)
         assert moved == want_moved and (factor is None) == (want_factor is None)
         np.testing.assert_array_equal(m, want_m)  # the same maxima: bit for bit
         # NaN where NaN, inf where inf, 0 where masked; NumPy's subnormal results are 0 here (below tiny).

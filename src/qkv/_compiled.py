@@ -184,8 +184,11 @@ def _max_key(rowbits):  # (C,) a float row's bits as ints -> (the largest float'
 
 
 @njit(cache=True, nogil=True)
-def block_step(s, sbits, keep, use_keep, m, total, factor, fold, tau, ys, bits, factors):
+def block_step(s, sbits, keep, use_keep, lo, hi, use_span, m, total, factor, fold, tau, ys, bits, factors):
     """The compiled ``qkv.flash.block_step``; see there for the contract.
+
+    With ``use_span``, row i's keys outside [lo[i], hi[i]) are hidden: they are
+    never read, and come out 0 (the causal diagonal costs what it shows).
 
     ``sbits`` is ``s`` read as integers of its width; ``ys`` is a float
     scratch row (C,), ``bits`` an integer one of the float's width and
@@ -203,9 +206,15 @@ def block_step(s, sbits, keep, use_keep, m, total, factor, fold, tau, ys, bits, 
     moved = grew = False
     zero = s.dtype.type(0)
     for i in range(rows):
-        row = s[i]
-        k = keep[i if use_keep else 0]
         factor[i] = 1
+        a, b = (lo[i], hi[i]) if use_span else (0, cols)
+        if use_span:
+            s[i, :a] = zero
+            s[i, b:] = zero
+            if a >= b:  # nothing to see in this block: zeros, nothing added
+                continue
+        row, rowbits = s[i, a:b], sbits[i, a:b]
+        k = keep[i, a:b] if use_keep else keep[0]
         mi = m[i]
         if np.isfinite(mi):
             sub = zero if fold else mi  # folded: the product has subtracted the shift already
@@ -217,7 +226,7 @@ def block_step(s, sbits, keep, use_keep, m, total, factor, fold, tau, ys, bits, 
         # The long way: the maximum first, then the shift, then the exponentials.
         if use_keep:
             _hide(row, k)
-        top_bits, bad = _max_key(sbits[i])
+        top_bits, bad = _max_key(rowbits)
         top = s.dtype.type(np.nan) if bad else _float_from_bits(top_bits, zero)
         new = not np.isfinite(mi)  # no shift yet
         shift = zero if new else mi

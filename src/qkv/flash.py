@@ -21,7 +21,9 @@ keeping per query row only a running shift ``m``, a running sum
 Memory is O((L + S) D) plus one ``rows x cols`` block per worker, instead
 of O(L S). Blocks that a causal or sliding window hides entirely are
 skipped (about half the work for causal attention); blocks it shows
-entirely need no mask at all.
+entirely need no mask at all; a block it shows in part (the causal
+diagonal) is computed in slices of query rows, each against only the keys
+it may see, and its step gets each row's visible keys as a range, not a mask.
 
 These tricks keep NumPy's passes over each block to three (max, exp, sum)
 besides the two matrix products:
@@ -61,7 +63,7 @@ import numpy as np
 from ._parallel import check_workers, interrupted, run_all, scratch
 from .dropout import dropout_keep
 
-__all__ = ["tiled_attention", "tiled_attention_backward", "block_step", "kernel_names", "check_kernel", "BLOCK_Q", "BLOCK_K", "TAU", "KERNEL"]
+__all__ = ["tiled_attention", "tiled_attention_backward", "block_step", "kernel_names", "check_kernel", "BLOCK_Q", "BLOCK_K", "EDGE_ROWS", "TAU", "KERNEL"]
 
 
 def __dir__():  # what dir() and tab completion list: the API, not the imports
@@ -91,7 +93,7 @@ def score_product(q, k_t, rows_per_head: int, out=None):  # (..., R, D), (..., D
     return rowwise[..., 0, :]
 
 
-def block_step(s, keep, m, total, fold: bool):  # (R, C), (R, C) bool or None, (R,), (R,) -> (moved, factor)
+def block_step(s, keep, m, total, fold: bool, span=None):  # (R, C), (R, C) bool or None, (R,), (R,), ((R,), (R,)) -> (moved, factor)
     """One key block of the online softmax, in place: the reference for every kernel.
 
     ``s`` holds the block's scores: minus the current shift where it is
@@ -102,8 +104,16 @@ def block_step(s, keep, m, total, fold: bool):  # (R, C), (R, C) bool or None, (
     ``total``. Returns whether any row's shift moved (the folded column must
     follow) and the factor each row of the output accumulator must be
     multiplied by, or None when no row's shift grew.
+
+    ``span``, when given, is a pair of (R,) integer arrays: row i sees only the
+    keys in [lo[i], hi[i]), as if ``keep`` hid the rest (a causal or windowed
+    block; the compiled kernel then never reads the hidden scores).
     """
     dt = s.dtype
+    if span is not None:
+        j = np.arange(s.shape[1])
+        inside = (j >= span[0][:, None]) & (j < span[1][:, None])
+        keep = inside if keep is None else keep & inside
     if keep is not None:
         np.copyto(s, -np.inf, where=~keep)
     top = s.max(axis=1)  # NaN where a score is NaN: no shift, and the NaN flows on
@@ -129,7 +139,7 @@ def block_step(s, keep, m, total, fold: bool):  # (R, C), (R, C) bool or None, (
     return d is not None, factor
 
 
-def _compiled_step(s, keep, m, total, fold: bool):
+def _compiled_step(s, keep, m, total, fold: bool, span=None):
     """``block_step`` by the numba kernel (``qkv._compiled``): the same contract."""
     from ._compiled import block_step as kernel
 
@@ -140,11 +150,13 @@ def _compiled_step(s, keep, m, total, fold: bool):
     factor = scratch("factor", (rows,), s.dtype)
     use_keep = keep is not None
     keep = np.ascontiguousarray(keep) if use_keep else _NO_KEEP
-    moved, grew = kernel(s, s.view(ints), keep, use_keep, m, total, factor, fold, s.dtype.type(TAU), ys, bits, bits.view(s.dtype))
+    lo, hi = _NO_SPAN if span is None else span
+    moved, grew = kernel(s, s.view(ints), keep, use_keep, lo, hi, span is not None, m, total, factor, fold, s.dtype.type(TAU), ys, bits, bits.view(s.dtype))
     return moved, (factor if grew else None)
 
 
 _NO_KEEP = np.ones((1, 1), bool)
+_NO_SPAN = (np.zeros(1, np.intp), np.zeros(1, np.intp))
 _KERNELS = {"numpy": block_step, "numba": _compiled_step}
 
 
@@ -261,6 +273,16 @@ def _block_keep(i0, i1, j0, j1, offset, window, bands=None):
     return keep
 
 
+def _block_span(i0, i1, j0, j1, offset, window, G):  # -> (G n,), (G n,)
+    """Each row's visible keys under the window, [lo, hi) relative to ``j0`` (rows: G x positions)."""
+    left, right = window
+    C = j1 - j0
+    a = np.arange(i0, i1) + offset - j0  # each query position on the block's key axis
+    lo = np.zeros(i1 - i0, np.intp) if left is None else np.clip(a - left, 0, C)
+    hi = np.full(i1 - i0, C, np.intp) if right is None else np.clip(a + right + 1, 0, C)
+    return np.tile(lo, G), np.tile(np.maximum(hi, lo), G)
+
+
 def _pieces(i0, i1, j0, j1, offset, window, G):
     """The block's rows in slices of ``EDGE_ROWS`` query positions, each with the keys it may see.
 
@@ -360,7 +382,6 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     fold = bias is None
 
     nd, nb = len(batch) + 4, len(batch)  # (..., Hk, G, L, S) and its batch dims
-    bands = {}  # the window's keep-masks by block shape and diagonal, shared by the work items
 
     def work(bidx, hk, i0):
         i1 = min(i0 + bq, L)
@@ -382,7 +403,10 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             if interrupted():
                 return
             j1 = min(j0 + bk, hi)
-            keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset, bands)
+            # The window as each row's span of keys when it shows the block in part (the step reads
+            # nothing else); the mask as a keep-mask.
+            span = None if window is None or _block_full(i0, i1, j0, j1, offset, window) else _block_span(i0, i1, j0, j1, offset, window, G)
+            keep = _visible_keep(mask, None, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)
             if keep is False:
                 continue
             pieces = _pieces(i0, i1, j0, j1, offset, window, G)  # one, or slices of a block the window shows in part
@@ -397,7 +421,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                 s3 += _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off in the step, once
             if keep is not None:
                 keep = np.broadcast_to(keep, s3.shape).reshape(rows, j1 - j0)
-            moved, factor = step(s, keep, m, total, fold)  # s <- exp(s - shift); m, total updated
+            moved, factor = step(s, keep, m, total, fold, span)  # s <- exp(s - shift); m, total updated
             if factor is not None:
                 acc *= factor[:, None]
             if moved and fold:
@@ -465,6 +489,7 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
     scale = dt.type(p.scale)
     keep_scale = dt.type(0 if dropout_p >= 1 else 1 / (1 - dropout_p))
     nd, nb = len(batch) + 4, len(batch)
+    bands = {}  # the window's keep-masks by block shape and diagonal, shared by the work items
     delta = np.einsum("...d,...d->...", d_out, out)  # (..., Hk, G, L): rowsum(dO * O)
     lse_safe = np.where(np.isfinite(lse), lse, np.inf).astype(dt)  # rows that saw nothing: P = exp(s - inf) = 0
     dq = np.zeros((*batch, Hk, G, L, D), dt)
@@ -495,7 +520,7 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
                 if interrupted():
                     return
                 j1 = min(j0 + bk, hi)
-                keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)
+                keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset, bands)
                 if keep is False:
                     continue
                 kb, vb = kb_all[j0:j1], vb_all[j0:j1]

@@ -414,7 +414,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             for r, positions, c0, c1 in pieces:
                 if c1 > c0:
                     score_product(qx[r], kx[j0 + c0 : j0 + c1].T, positions, out=s[r, c0:c1])  # scores * scale (- m when folded)
-                s[r, :c0] = 0  # keys the slice may not see: not computed; the window's keep-mask hides them
+                s[r, :c0] = 0  # keys the slice may not see: not computed; the step's span hides them
                 s[r, c1:] = 0
             s3 = s.reshape(G, n, j1 - j0)
             if not fold:

@@ -283,25 +283,21 @@ def _block_span(i0, i1, j0, j1, offset, window, G):  # -> (G n,), (G n,)
     return np.tile(lo, G), np.tile(np.maximum(hi, lo), G)
 
 
-def _pieces(i0, i1, j0, j1, offset, window, G):
-    """The block's rows in slices of ``EDGE_ROWS`` query positions, each with the keys it may see.
+def _pieces(span, n: int, G: int):  # ((G n,), (G n,)) -> [(rows, positions, c0, c1)]
+    """A block the window shows in part, in slices of ``EDGE_ROWS`` query positions.
 
-    A list of (rows, positions, c0, c1): ``rows`` a slice of the block's (G x n)
-    rows, holding ``positions`` query positions of each head, and [c0, c1) the
-    keys they may see, relative to ``j0``. One piece (all rows, all keys) unless
-    the window shows the block only in part (the causal diagonal): then the two
-    products skip each slice's hidden keys, about half of a diagonal block.
+    Each piece is (rows, positions, c0, c1): ``rows`` a slice of the block's (G x n)
+    rows, holding ``positions`` query positions of one head, and [c0, c1) the keys
+    any of them may see (from the rows' ``span``). The two products skip the rest,
+    about half of a diagonal block.
     """
-    n, C = i1 - i0, j1 - j0
-    if window is None or n <= EDGE_ROWS or _block_full(i0, i1, j0, j1, offset, window):
-        return [(slice(None), n, 0, C)]
+    lo, hi = span
     pieces = []
     for g in range(G):  # a slice of positions is one run of rows in each query head of the group
-        for a0 in range(i0, i1, EDGE_ROWS):
-            a1 = min(a0 + EDGE_ROWS, i1)
-            lo, hi = _visible_range(a0, a1, offset, window, j1)  # hi capped at the block's end
-            c0 = max(lo, j0) - j0
-            pieces.append((slice(g * n + a0 - i0, g * n + a1 - i0), a1 - a0, c0, max(hi - j0, c0)))
+        for a0 in range(0, n, EDGE_ROWS):
+            r = slice(g * n + a0, g * n + min(a0 + EDGE_ROWS, n))
+            c0 = int(lo[r].min())
+            pieces.append((r, r.stop - r.start, c0, max(int(hi[r].max()), c0)))
     return pieces
 
 
@@ -403,19 +399,22 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             if interrupted():
                 return
             j1 = min(j0 + bk, hi)
-            # The window as each row's span of keys when it shows the block in part (the step reads
-            # nothing else); the mask as a keep-mask.
-            span = None if window is None or _block_full(i0, i1, j0, j1, offset, window) else _block_span(i0, i1, j0, j1, offset, window, G)
-            keep = _visible_keep(mask, None, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)
+            keep = _visible_keep(mask, None, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)  # the mask's part
             if keep is False:
                 continue
-            pieces = _pieces(i0, i1, j0, j1, offset, window, G)  # one, or slices of a block the window shows in part
+            # The window's part: where it shows the block only in part, each row's span of keys
+            # (the step reads nothing else), and the products in slices over the keys they may see.
+            span, pieces = None, [(slice(None), n, 0, j1 - j0)]
+            if window is not None and not _block_full(i0, i1, j0, j1, offset, window):
+                span = _block_span(i0, i1, j0, j1, offset, window, G)
+                if n > EDGE_ROWS:
+                    pieces = _pieces(span, n, G)
             s = scratch("s", (rows, j1 - j0), dt)
             for r, positions, c0, c1 in pieces:
                 if c1 > c0:
                     score_product(qx[r], kx[j0 + c0 : j0 + c1].T, positions, out=s[r, c0:c1])  # scores * scale (- m when folded)
-                s[r, :c0] = 0  # keys the slice may not see: not computed; the step's span hides them
-                s[r, c1:] = 0
+                s[r, :c0] = 0  # keys the slice may not see: not computed, and the span hides them from
+                s[r, c1:] = 0  # the step; zeros, not the scratch's old values, for a bias to be added to
             s3 = s.reshape(G, n, j1 - j0)
             if not fold:
                 s3 += _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off in the step, once

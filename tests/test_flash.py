@@ -20,7 +20,7 @@ def kernel(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[(384, 768, 128), (7, 5, 3)], ids=["default-blocks", "tiny-blocks"])
+@pytest.fixture(params=[(384, 768, 192), (7, 5, 3)], ids=["default-blocks", "tiny-blocks"])
 def blocks(request, monkeypatch):
     """Run each test with the default blocks and with tiny ones (many blocks, many rescales,
     blocks a window shows in part cut into slices of 3 query positions)."""

@@ -4,7 +4,8 @@ Run:  python benchmarks/profile_encoder.py [--lines 1000] [--repeat 3]
 
 ``SentenceEncoder.encode`` on ``--lines`` lines of the corpus benchmark (3 to 60 words,
 fixed seed), 2 threads (the model's default workers), the best of ``--repeat`` runs. Each
-layer's three parallel stages are timed where ``BertModel`` hands them to its workers:
+layer's three stages are timed (``qkv.models.bert._stage``; where each worker takes its share of
+a batch through every layer, a stage's time in a worker counts as 1/workers of the machine's):
 
 - project: the fused query/key/value products of the real tokens;
 - attention: qkv's attention on each sequence's real tokens;
@@ -22,6 +23,7 @@ import argparse
 import collections
 import os
 import sys
+import threading
 import time
 import warnings
 
@@ -76,30 +78,32 @@ def main() -> None:
 
     stages = collections.defaultdict(float)
     names = ("project", "attention", "rest")
-    calls = [0]
-    run_all = bert.run_all
+    stage = bert._stage
+    workers = encoder.model.workers
+    lock = threading.Lock()
 
-    def timed_run_all(tasks, workers):  # BertModel calls run_all three times a layer, in this order
-        name = names[calls[0] % 3]
-        calls[0] += 1
+    def timed_stage(name, tasks, n):
         t = time.perf_counter()
         try:
-            return run_all(tasks, workers)
+            return stage(name, tasks, n)
         finally:
-            stages[name] += time.perf_counter() - t
+            # A worker running its share of the batch through every layer: its stage time is a
+            # 1/workers share of the machine's (the stages of the other workers run beside it).
+            share = 1 if n > 1 else workers
+            with lock:
+                stages[name] += (time.perf_counter() - t) / share
 
-    bert.run_all = timed_run_all
+    bert._stage = timed_stage
     try:
         encoder.encode(lines[:64])  # warm-up: compiled kernels, scratch buffers
         best = None
         for _ in range(args.repeat):
             stages.clear()
-            calls[0] = 0
             total = _timed(lambda: encoder.encode(lines))
             if best is None or total < best[0]:
                 best = (total, dict(stages))
     finally:
-        bert.run_all = run_all
+        bert._stage = stage
     total, parts = best
     rate = gemm_rate(encoder.model.workers)
     print(f"{args.lines} lines, {tokens} tokens, {encoder.model.workers} workers; best of {args.repeat}")

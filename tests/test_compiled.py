@@ -264,3 +264,38 @@ def test_compiled_layer_norm_takes_the_numpy_route_where_it_does_not_apply(monke
     got = functional.layer_norm(strided, w[:3], b[:3], 1e-5)
     monkeypatch.setattr(flash, "KERNEL", "numpy")
     np.testing.assert_allclose(got, functional.layer_norm(np.ascontiguousarray(strided), w[:3], b[:3], 1e-5), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+def test_add_layer_norm_is_layer_norm_of_the_sum(torch, monkeypatch, dtype, kernel):
+    """add_layer_norm(x, shift, residual) against torch's LayerNorm of (x + shift) + residual in
+    float64; the sum rounded exactly as the two NumPy additions (then the same LayerNorm
+    bit for bit); in place, into the residual, and bad shapes refused."""
+    from qkv.models import functional
+    from qkv.models.functional import add_layer_norm, layer_norm
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((3, 29, 384)) * rng.uniform(0.1, 10, (3, 29, 1)) + rng.uniform(-500, 500, (3, 29, 1))).astype(dtype)
+    shift, w, b = (rng.standard_normal(384).astype(dtype) for _ in range(3))
+    residual = rng.standard_normal(x.shape).astype(dtype)
+    monkeypatch.setattr(flash, "KERNEL", kernel)
+    summed = x + shift
+    summed += residual
+    got = add_layer_norm(x, shift, residual, w, b, 1e-12)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, layer_norm(summed, w, b, 1e-12))
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
+    want = torch.nn.functional.layer_norm(t(summed), (384,), t(w), t(b), 1e-12).numpy()
+    err = np.abs(got - want).max()
+    if dtype == np.float32 and kernel == "numba":  # torch's float64 is exact to float32's eye: a few roundings of the output
+        assert err <= 4 * np.finfo(dtype).eps * np.abs(want).max(), err
+    else:  # float64 rows 500 from 0 with a spread of 0.1 lose digits in any float64 mean: no worse than NumPy's passes
+        assert err <= np.abs(functional._layer_norm_passes(summed, w, b, 1e-12, None) - want).max(), err
+    into_x, into_residual = x.copy(), residual.copy()
+    np.testing.assert_array_equal(add_layer_norm(into_x, shift, residual, w, b, 1e-12, out=into_x), got)
+    np.testing.assert_array_equal(add_layer_norm(x, shift, into_residual, w, b, 1e-12, out=into_residual), got)
+    with pytest.raises(ValueError, match="residual shape should be"):
+        add_layer_norm(x, shift, residual[:, :3], w, b, 1e-12)
+    with pytest.raises(ValueError, match="shift shape should be"):
+        add_layer_norm(x, shift[:5], residual, w, b, 1e-12)

@@ -353,3 +353,40 @@ def test_no_torch_import_in_library():
     src = pathlib.Path(__file__).resolve().parents[1] / "src" / "qkv"
     for f in src.rglob("*.py"):
         assert not re.search(r"^\s*(import torch|from torch)", f.read_text(), re.M), f
+
+
+def test_workers_split_a_batch_into_runs_of_whole_sequences():
+    """Each worker runs whole sequences through the whole encoder: the runs cover the batch in
+    order, one per worker at most, with about equal work."""
+    from qkv.models.bert import _parts
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = np.sort(rng.integers(0, 80, int(rng.integers(1, 40))))
+        workers = int(rng.integers(1, 6))
+        parts = _parts(lengths, workers)
+        assert [p.start for p in parts] == [0] + [p.stop for p in parts[:-1]] and parts[-1].stop == len(lengths)
+        assert all(p.stop > p.start for p in parts) and len(parts) <= max(1, min(workers, np.count_nonzero(lengths)))
+        cost = lengths + lengths.astype(float) ** 2 / 1000
+        if len(parts) > 1:  # shares within 15 % of equal, or the stages share out token blocks instead
+            assert max(cost[p].sum() for p in parts) <= 1.15 * cost.sum() / len(parts), (lengths, workers, parts)
+    assert len(_parts(np.full(32, 40), 2)) == 2  # a batch of like lengths is cut
+    assert len(_parts(np.array([500, 5]), 2)) == 1  # two sequences of very different lengths: token blocks
+
+
+def test_one_worker_and_several_give_the_same_embeddings(encoder):
+    """The batch cut between workers (each running its sequences through every layer) against
+    one worker doing all of it: the same numbers, to float32 rounding (the products of a block
+    of rows may round a row differently from a block of other rows)."""
+    model = encoder.model
+    saved = model.workers
+    try:
+        outs = []
+        for workers in (1, 2, 4):
+            model.workers = workers
+            outs.append((encoder.encode(SENTENCES[:9]), encoder.encode_batch(SENTENCES[:9]).last_hidden_state))
+    finally:
+        model.workers = saved
+    for embeddings, hidden in outs[1:]:
+        np.testing.assert_allclose(embeddings, outs[0][0], atol=1e-6, rtol=0)
+        np.testing.assert_allclose(hidden, outs[0][1], atol=16 * np.finfo(np.float32).eps * np.abs(outs[0][1]).max(), rtol=0)

@@ -401,32 +401,92 @@ def activation_(x: np.ndarray, kind: int) -> np.ndarray:
 
 
 # LayerNorm, a row at a time: NumPy's version is six passes over the whole (tokens, E) array with
-# two (tokens, 1) reductions between; here each row is read three times while it is in L1, and its
-# mean and variance are summed in float64 (NumPy sums float32 pairwise in float32).
+# two (tokens, 1) reductions between; here each row is read while it is in L1, and its mean and
+# variance are summed in float64 (NumPy sums float32 pairwise in float32). With a ``shift`` and a
+# ``residual``, the row is first ``(x + shift) + residual`` (a post-LN layer's bias and residual),
+# rounded as NumPy's two in-place additions round it, in the same call.
+
+
+@njit(cache=True, nogil=True)  # no reassoc: rounded in NumPy's order, (x + shift) + residual
+def _row_sum_into(row, shift, residual, o):  # (E,) x3 -> o (E,): o <- (row + shift) + residual
+    for j in range(row.shape[0]):
+        o[j] = (row[j] + shift[j]) + residual[j]
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})  # reassoc: the sums in SIMD lanes
+def _row_moments(row):  # (E,) float32 -> (mean, variance) in float64, in one pass
+    """Shifted by the row's first element, so that a row far from 0 loses nothing to
+    cancellation: a difference of two float32s is exact in float64, its square exact
+    to a rounding, and ``E[d^2] - E[d]^2`` then cancels only as much as the first
+    element sits from the mean in standard deviations."""
+    k = np.float64(row[0])
+    s = 0.0
+    q = 0.0
+    for j in range(row.shape[0]):
+        d = np.float64(row[j]) - k
+        s += d
+        q += d * d
+    m = s / row.shape[0]
+    return k + m, max(q / row.shape[0] - m * m, 0.0)
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")  # no reassoc: (x - hi) - lo must stay as written
+def _norm_row32(row, weight, bias, eps, o):  # (E,) float32, (E,), (E,), float, (E,) (may be row)
+    """float64 moments, then the output in float32 lanes (8 to a vector, not 4), centred on
+    the float64 mean split in two float32s: ``x - hi`` is exact for x near the mean (Sterbenz),
+    so a row far from 0 keeps its spread."""
+    mean, var = _row_moments(row)
+    dt = row.dtype.type
+    hi = dt(mean)
+    lo = dt(mean - np.float64(hi))
+    scale = dt(1.0 / math.sqrt(var + eps))
+    for j in range(row.shape[0]):
+        o[j] = ((row[j] - hi) - lo) * scale * weight[j] + bias[j]
+
+
+@njit(cache=True, nogil=True)
+def _layer_norm_rows32(x, shift, residual, add, weight, bias, eps, out):  # (N, E), (E,), (N, E), bool, (E,), (E,), float, (N, E) (may be x or residual)
+    buf = np.empty(x.shape[1], x.dtype)  # the row's sum: a buffer of its own in L1 (summing into out's row then reading it back was 1.7x slower)
+    for i in range(x.shape[0]):
+        if add:
+            _row_sum_into(x[i], shift, residual[i], buf)
+            _norm_row32(buf, weight, bias, eps, out[i])
+        else:
+            _norm_row32(x[i], weight, bias, eps, out[i])
 
 
 @njit(cache=True, nogil=True, fastmath={"contract", "reassoc"}, error_model="numpy")  # reassoc: the sums in SIMD lanes
-def _layer_norm_rows(x, weight, bias, eps, out):  # (N, E), (E,), (E,), float, (N, E) (may be x itself)
+def _layer_norm_rows64(x, weight, bias, eps, out):  # (N, E), (E,), (E,), float, (N, E) (may be x itself)
+    """float64 rows: two passes for the moments (the mean, then the centred squares)."""
     n, e = x.shape
-    dt = x.dtype.type
     for i in range(n):
         row = x[i]
         total = 0.0
         for j in range(e):
-            total += np.float64(row[j])
+            total += row[j]
         mean = total / e
         square = 0.0
-        for j in range(e):  # two passes: the variance of the centred row, no cancellation
-            d = np.float64(row[j]) - mean
+        for j in range(e):
+            d = row[j] - mean
             square += d * d
         inv = 1.0 / math.sqrt(square / e + eps)
         o = out[i]
-        for j in range(e):  # centred in float64: a float32 mean of rows far from 0 would round away their spread
-            o[j] = dt((np.float64(row[j]) - mean) * inv) * weight[j] + bias[j]
+        for j in range(e):
+            o[j] = (row[j] - mean) * inv * weight[j] + bias[j]
 
 
-def layer_norm_(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
-    """LayerNorm over the last axis of contiguous float32/float64 ``x`` into contiguous ``out`` (may be ``x``)."""
+def layer_norm_(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray, shift: np.ndarray | None = None, residual: np.ndarray | None = None) -> np.ndarray:
+    """LayerNorm over the last axis of contiguous float32/float64 ``x`` into contiguous ``out``
+    (may be ``x``); of ``(x + shift) + residual`` when both are given (contiguous, ``shift``
+    (E,), ``residual`` shaped like ``x``; ``out`` may be ``residual``)."""
     e = x.shape[-1]
-    _layer_norm_rows(x.reshape(-1, e), weight, bias, float(eps), out.reshape(-1, e))
+    rows, into = x.reshape(-1, e), out.reshape(-1, e)
+    add = shift is not None
+    if x.dtype == np.float32:
+        _layer_norm_rows32(rows, shift if add else weight, residual.reshape(-1, e) if add else rows, add, weight, bias, float(eps), into)
+        return out
+    if add:
+        rows = np.add(x, shift).reshape(-1, e)  # a new array: out may be residual itself
+        rows += residual.reshape(-1, e)
+    _layer_norm_rows64(rows, weight, bias, float(eps), into)
     return out

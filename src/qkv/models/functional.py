@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import flash as _flash
 
-__all__ = ["layer_norm", "rms_norm", "erf", "gelu", "gelu_tanh", "silu", "ACTIVATIONS"]
+__all__ = ["layer_norm", "add_layer_norm", "rms_norm", "erf", "gelu", "gelu_tanh", "silu", "ACTIVATIONS"]
 
 # Abramowitz & Stegun 7.1.26: erf(x) = 1 - (a1 t + ... + a5 t^5) exp(-x^2),
 # t = 1 / (1 + p x), for x >= 0; |error| <= 1.5e-7 in exact arithmetic
@@ -281,6 +281,10 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, 
         from .._compiled import layer_norm_
 
         return layer_norm_(x, weight, bias, eps, np.empty_like(x) if out is None else out)
+    return _layer_norm_passes(x, weight, bias, eps, out)
+
+
+def _layer_norm_passes(x, weight, bias, eps, out):
     mean = x.mean(-1, keepdims=True)
     y = np.subtract(x, mean, out=out)
     var = np.mean(np.square(y), -1, keepdims=True)
@@ -290,3 +294,48 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, 
     y *= weight
     y += bias
     return y
+
+
+def add_layer_norm(x: np.ndarray, shift: np.ndarray, residual: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, *, out: np.ndarray | None = None) -> np.ndarray:
+    """A post-LN sublayer's ending: ``layer_norm((x + shift) + residual, weight, bias, eps)``.
+
+    The sum is rounded exactly as the two additions written out round it.
+    Compiled (``qkv[fast]``), it is made row by row in the LayerNorm's own
+    loop, instead of in two more passes over the whole array.
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., E)
+        The sublayer's output before its bias (a matrix product).
+    shift : ndarray, shape (E,)
+        That bias.
+    residual : ndarray, shape of ``x``
+    weight, bias : ndarray, shape (E,)
+        The LayerNorm's.
+    eps : float
+    out : ndarray, shape of ``x``, optional
+        Where to write the result (may be ``x`` or ``residual``).
+
+    Returns
+    -------
+    ndarray, shape of ``x``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.models.functional import add_layer_norm
+    >>> add_layer_norm(np.array([[1.0, 2.0, 3.0]]), np.ones(3), np.zeros((1, 3)), np.ones(3), np.zeros(3), 1e-12).round(4)
+    array([[-1.2247,  0.    ,  1.2247]])
+    """
+    x, residual = np.asarray(x), np.asarray(residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape should be {x.shape}, got {residual.shape}")
+    if np.shape(shift) != x.shape[-1:]:
+        raise ValueError(f"shift shape should be {x.shape[-1:]}, got {np.shape(shift)}")
+    if _compiled_norm(x, weight, bias, out) and all(isinstance(a, np.ndarray) and a.dtype == x.dtype and a.flags.c_contiguous for a in (shift, residual)):
+        from .._compiled import layer_norm_
+
+        return layer_norm_(x, weight, bias, eps, np.empty_like(x) if out is None else out, shift, residual)
+    y = np.add(x, shift)  # a new array: out may be residual itself
+    y += residual
+    return _layer_norm_passes(y, weight, bias, eps, y if out is None else out)

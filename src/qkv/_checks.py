@@ -38,7 +38,8 @@ def as_bool_mask(mask, name: str = "mask") -> np.ndarray:
     if arr.dtype != np.bool_:
         raise TypeError(
             f"{name} should be a boolean array (True = may attend), got dtype {arr.dtype}; "
-            "pass additive float biases as bias=, or convert PyTorch masks with qkv.masks.from_torch"
+            "pass additive float biases as bias=, or convert a PyTorch mask with qkv.masks.from_torch(m, kind='sdpa') "
+            "(scaled_dot_product_attention's: True = may attend) or kind='mha' (nn.MultiheadAttention's: True = blocked)"
         )
     return arr
 
@@ -106,3 +107,49 @@ def check_fits(nbytes: int, what: str, hint: str) -> None:
 def float_dtype(*arrays: np.ndarray) -> np.dtype:
     """The floating dtype NumPy promotion gives these arrays (ints and bools become float64)."""
     return np.result_type(*arrays, 1.0)
+
+
+def pytorch_names(**renames: str):
+    """Decorator: a PyTorch argument name (``attn_mask=``, ``dim=``, ...) gives a ``TypeError`` that says
+    what qkv calls it, instead of Python's bare "unexpected keyword argument".
+
+    ``renames`` maps each PyTorch name to what to say; only names the function does not take are
+    looked at, and only when a call passes a keyword the function does not know (one set difference).
+    """
+
+    def wrap(func):
+        import inspect
+
+        takes = frozenset(inspect.signature(func).parameters)
+        name = func.__qualname__.replace(".__init__", "").replace(".__call__", "")
+
+        @functools.wraps(func)
+        def checked(*args, **kwargs):
+            if kwargs and not takes.issuperset(kwargs):
+                for key in kwargs:
+                    if key in renames:
+                        raise TypeError(f"{name}() has no argument {key!r} (PyTorch's name): {renames[key]}")
+            return func(*args, **kwargs)
+
+        return checked
+
+    return wrap
+
+
+#: What qkv calls PyTorch's attention arguments (torch.nn.functional.scaled_dot_product_attention,
+#: nn.MultiheadAttention), for :func:`pytorch_names`.
+TORCH_ATTENTION_NAMES = {
+    "attn_mask": (
+        "qkv calls it mask=, a boolean array with True = may attend (as SDPA's boolean attn_mask; "
+        "nn.MultiheadAttention's True = blocked is inverted by qkv.masks.from_torch(m, kind='mha')); "
+        "an additive float attn_mask goes in bias="
+    ),
+    "key_padding_mask": (
+        "qkv has one mask=: build it with qkv.masks.padding(lengths) or qkv.masks.padding(attention_mask), "
+        "or convert PyTorch's (True = padding) with qkv.masks.from_torch(key_padding_mask=m, kind='mha')"
+    ),
+    "need_weights": "qkv calls it return_weights=True (default False: PyTorch's default is True)",
+    "average_attn_weights": "qkv returns every head's weights, (B, H, L, S); average them with weights.mean(axis=1)",
+    "enable_gqa": "grouped-query attention needs no flag in qkv: give key and value fewer heads than query (Hq a multiple of Hk)",
+    "dropout": "qkv calls it dropout_p= (with rng= for the pattern)",
+}

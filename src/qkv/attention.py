@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import masks as _masks
-from ._checks import as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, float_dtype
+from ._checks import TORCH_ATTENTION_NAMES, as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, float_dtype, pytorch_names
 from ._parallel import check_workers
 from .dropout import dropout_keep
 from . import flash as _flash
@@ -168,8 +168,9 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
             if mask.ndim == 2 and len(user_scores_shape) == 4 and mask.shape == (user_scores_shape[0], user_scores_shape[-1]):
                 raise ValueError(
                     f"{exc}: a (B, S) key-padding mask needs its head and query axes, mask[:, None, None, :] "
-                    "(True = may attend); qkv.masks.padding(lengths, S) builds one, and "
-                    "qkv.masks.from_torch(m, kind='key_padding_mask') converts PyTorch's (True = padding)"
+                    "(True = may attend); qkv.masks.padding(lengths) builds one, qkv.masks.padding(attention_mask) "
+                    "takes a Hugging Face (B, S) 0/1 mask, and "
+                    "qkv.masks.from_torch(key_padding_mask=m, kind='mha') converts nn.MultiheadAttention's (True = padding)"
                 ) from None
             raise
     if bias is not None:
@@ -277,6 +278,7 @@ def _finish(x: np.ndarray, p: _Problem, last: int, *, keep_dtype: bool = False) 
     return x[0] if p.unbatched else x
 
 
+@pytorch_names(**TORCH_ATTENTION_NAMES)
 def scaled_dot_product_attention(
     query,
     key,
@@ -435,6 +437,7 @@ def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
     return (x.sum(axis=axes, keepdims=True) if axes else x).reshape(shape)
 
 
+@pytorch_names(**{k: TORCH_ATTENTION_NAMES[k] for k in ('attn_mask', 'key_padding_mask', 'enable_gqa', 'dropout')})
 def scaled_dot_product_attention_vjp(
     query,
     key,
@@ -565,6 +568,7 @@ def _check_direct_fits(p: _Problem, dropout: bool) -> None:
     check_fits(need, f"the direct path on scores of shape {tuple(p.scores_shape)}", "use implementation='tiled' (O((L + S) D) memory, no weights), or see qkv.memory_estimate")
 
 
+@pytorch_names(**{k: TORCH_ATTENTION_NAMES[k] for k in ('attn_mask', 'key_padding_mask', 'enable_gqa')})
 def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = False, window=None, scale: float | None = None):
     """The attention weights alone: ``softmax(query @ key.T * scale + bias, where=mask)``.
 

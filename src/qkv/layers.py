@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import as_array, as_rng, check_fits, check_int
+from ._checks import TORCH_ATTENTION_NAMES, as_array, as_rng, check_fits, check_int, pytorch_names
 from .attention import scaled_dot_product_attention, scaled_dot_product_attention_vjp
 from .heads import merge_heads, split_heads
 
@@ -123,6 +123,11 @@ class MultiHeadAttention:
     ((3, 5, 8), (3, 2, 5, 5))
     """
 
+    @pytorch_names(
+        dropout="qkv's MultiHeadAttention has no dropout (it is for inference and exact gradients); qkv.scaled_dot_product_attention takes dropout_p= and rng=",
+        bias="qkv calls it use_bias=",
+        batch_first="qkv's layers are always batch first, (B, L, E): leave it out (sequence-first input must be transposed, x.swapaxes(0, 1))",
+    )
     def __init__(
         self,
         embed_dim: int,
@@ -288,6 +293,7 @@ class MultiHeadAttention:
             y += b
         return y
 
+    @pytorch_names(**{k: TORCH_ATTENTION_NAMES[k] for k in ('attn_mask', 'key_padding_mask', 'need_weights', 'average_attn_weights')})
     def __call__(
         self,
         query,
@@ -311,7 +317,8 @@ class MultiHeadAttention:
             Defaults to ``key``.
         mask : array_like of bool, broadcastable to (B, H, L, S), optional
             ``True`` = may attend; e.g. :func:`qkv.masks.padding` for padded
-            keys, :func:`qkv.masks.from_torch` for PyTorch masks.
+            keys, :func:`qkv.masks.from_torch` for PyTorch masks (``kind="mha"``
+            for ``nn.MultiheadAttention``'s, where ``True`` = blocked).
         bias : array_like of float, broadcastable to (B, H, L, S), optional
             Added to the scaled scores.
         is_causal : bool, default False
@@ -351,6 +358,7 @@ class MultiHeadAttention:
             extra.append(self._trace(q, k, v, mask, bias, is_causal, weights, ctx, merged, out))
         return (out, *extra) if extra else out
 
+    @pytorch_names(**{k: TORCH_ATTENTION_NAMES[k] for k in ('attn_mask', 'key_padding_mask')})
     def vjp(self, query, key=None, value=None, *, mask=None, bias=None, is_causal: bool = False, implementation: str = "auto"):
         """The layer's output and its vector-Jacobian product: ``(output, vjp)``.
 

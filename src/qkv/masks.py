@@ -2,8 +2,11 @@
 
 Every mask here broadcasts against attention scores of shape
 ``(..., H, L, S)`` (L queries, S keys). Combine masks with :func:`combine`
-(logical AND). Masks from PyTorch (where ``True`` means *blocked*, or an
-additive float mask) are converted with :func:`from_torch`.
+(logical AND). Masks from PyTorch are converted with :func:`from_torch`,
+which needs to be told which PyTorch API made them: in
+``torch.nn.functional.scaled_dot_product_attention`` a boolean ``True``
+means *may attend* (as in qkv, ``kind="sdpa"``), in
+``torch.nn.MultiheadAttention`` it means *blocked* (``kind="mha"``).
 
 The three kinds of attention in a transformer, as masks:
 
@@ -127,15 +130,23 @@ def sliding_window(
     return keep
 
 
-def padding(lengths, S: int) -> np.ndarray:
+def padding(lengths, S: int | None = None, *, side: str = "right") -> np.ndarray:
     """Key-padding mask: ``True`` for the real tokens of each sequence.
 
     Parameters
     ----------
-    lengths : array_like of int, shape (B,)
-        Number of real (non-padding) keys of each sequence, each in ``[0, S]``.
-    S : int
-        Padded key length.
+    lengths : array_like, shape (B,) of int, or (B, S) of bool or 0/1 int
+        Either the number of real (non-padding) keys of each sequence, each in
+        ``[0, S]``, or a whole per-token mask with ``1``/``True`` = real token
+        (a Hugging Face tokenizer's ``attention_mask``). A float array is
+        refused: ``0.0`` means "padding" there but "attend" in an additive
+        PyTorch mask, so no guess is safe.
+    S : int, optional
+        Padded key length; default ``max(lengths)`` (or the mask's width).
+    side : {"right", "left"}, default "right"
+        Where the padding sits when ``lengths`` are given: after the tokens
+        (encoders, training) or before them (batched decoding, so every
+        sequence's last token lines up at the end).
 
     Returns
     -------
@@ -145,20 +156,47 @@ def padding(lengths, S: int) -> np.ndarray:
     Examples
     --------
     >>> from qkv import masks
-    >>> m = masks.padding([2, 3], 3)
+    >>> m = masks.padding([2, 3])
     >>> m.shape
     (2, 1, 1, 3)
     >>> m[:, 0, 0].astype(int)
     array([[1, 1, 0],
            [1, 1, 1]])
+    >>> masks.padding([2, 3], side="left")[:, 0, 0].astype(int)
+    array([[0, 1, 1],
+           [1, 1, 1]])
+    >>> masks.padding([[1, 1, 0, 0], [1, 1, 1, 1]])[:, 0, 0].astype(int)  # an attention_mask
+    array([[1, 1, 0, 0],
+           [1, 1, 1, 1]])
     """
+    if side not in ("right", "left"):
+        raise ValueError(f"side should be 'right' or 'left', got {side!r}")
+    arr = as_array(lengths, "lengths")
+    if arr.ndim == 2:
+        if arr.dtype.kind == "f":
+            raise TypeError(
+                "lengths: a (B, S) mask should be boolean or 0/1 integers (1 = real token), got a float array; "
+                "an additive float mask (0 = attend, -inf = blocked) goes through qkv.masks.from_torch"
+            )
+        if arr.dtype.kind not in "biu" or (arr.dtype != np.bool_ and arr.size and not np.isin(arr, (0, 1)).all()):
+            raise ValueError(f"lengths: a (B, S) mask should hold only 0 and 1 (or bool), got dtype {arr.dtype} with values {np.unique(arr)[:5].tolist()}")
+        if S is not None and check_int(S, "S", minimum=0) != arr.shape[1]:
+            raise ValueError(f"S should be the mask's width {arr.shape[1]} (or left out), got {S}")
+        return arr.astype(bool)[:, None, None, :]
+    if arr.ndim == 1 and arr.size == 0:
+        arr = arr.astype(np.intp)  # [] is float64 to NumPy: no sequences
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"lengths should be a 1-D array of integers (or a (B, S) 0/1 mask), got shape {arr.shape} dtype {arr.dtype}")
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"lengths should be >= 0, got {arr.tolist()}")
+    if S is None:
+        S = int(arr.max()) if arr.size else 0
     S = check_int(S, "S", minimum=0)
-    lengths = as_array(lengths, "lengths")
-    if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
-        raise ValueError(f"lengths should be a 1-D array of integers, got shape {lengths.shape} dtype {lengths.dtype}")
-    if lengths.size and (lengths.min() < 0 or lengths.max() > S):
-        raise ValueError(f"lengths should lie in [0, S={S}], got {lengths.tolist()}")
-    return (np.arange(S) < lengths[:, None])[:, None, None, :]
+    if arr.size and arr.max() > S:
+        raise ValueError(f"lengths should lie in [0, S={S}], got {arr.tolist()}")
+    j = np.arange(S)
+    keep = j < arr[:, None] if side == "right" else j >= S - arr[:, None]
+    return keep[:, None, None, :]
 
 
 def combine(*masks) -> np.ndarray | None:
@@ -192,80 +230,112 @@ def combine(*masks) -> np.ndarray | None:
     return out
 
 
-def from_torch(mask=None, *, kind: str = "attn_mask", num_heads: int | None = None, key_padding_mask=None) -> np.ndarray:
-    """Convert a PyTorch ``nn.MultiheadAttention`` mask into a qkv keep-mask.
+#: What each PyTorch API means by a boolean mask, for from_torch's messages.
+TORCH_KINDS = {
+    "sdpa": "torch.nn.functional.scaled_dot_product_attention: boolean True = may attend, as in qkv",
+    "mha": "torch.nn.MultiheadAttention and nn.Transformer* layers: boolean True = blocked, inverted here",
+}
 
-    PyTorch's boolean masks mean ``True`` = *blocked*; its float masks are
-    added to the scores. qkv's masks mean ``True`` = may attend, so a boolean
-    mask is inverted and a float mask must hold only ``0`` (attend) and
-    ``-inf`` (blocked). Any other float values are a bias, not a mask: pass
-    them as ``bias=`` instead.
+
+def from_torch(attn_mask=None, *, kind: str | None = None, num_heads: int | None = None, key_padding_mask=None) -> np.ndarray:
+    """Convert a PyTorch attention mask into a qkv keep-mask (``True`` = may attend).
+
+    PyTorch has two conventions for a boolean mask, and they are opposite:
+
+    - ``kind="sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``'s
+      ``attn_mask``, where ``True`` = may attend, as in qkv: kept as it is.
+    - ``kind="mha"``: ``torch.nn.MultiheadAttention``'s (and
+      ``nn.TransformerEncoderLayer``'s ...) ``attn_mask`` and
+      ``key_padding_mask``, where ``True`` = blocked: inverted.
+
+    ``kind`` has no default: a mask converted with the wrong one attends
+    exactly where it should not, silently. A float mask means the same in
+    both (added to the scores): it converts when it holds only ``0``
+    (attend) and ``-inf`` (blocked); any other values are a bias, which qkv
+    takes unchanged as ``bias=``.
 
     Parameters
     ----------
-    mask : array_like (a CPU tensor works)
-        ``kind="attn_mask"``: shape (L, S), or (B * num_heads, L, S).
-        ``kind="key_padding_mask"``: shape (B, S), ``True`` = padding.
-    kind : {"attn_mask", "key_padding_mask"}
+    attn_mask : array_like (a CPU tensor works), optional
+        ``kind="sdpa"``: any shape that broadcasts against the scores
+        ``(..., H, L, S)``, returned with the same shape.
+        ``kind="mha"``: (L, S), or (B * num_heads, L, S).
+    kind : {"sdpa", "mha"}
+        Which PyTorch API the mask was made for (see above).
     num_heads : int, optional
-        Needed to unflatten a 3-D ``attn_mask``.
+        ``kind="mha"``: needed to unflatten a 3-D ``attn_mask``.
     key_padding_mask : array_like, shape (B, S), optional
-        The same as ``from_torch(key_padding_mask, kind="key_padding_mask")``,
-        named as ``nn.MultiheadAttention`` names it.
+        ``kind="mha"`` only: ``nn.MultiheadAttention``'s ``key_padding_mask``
+        (``True`` = padding), returned as (B, 1, 1, S); pass it alone and
+        combine the two results with :func:`combine`.
 
     Returns
     -------
     ndarray of bool
-        (L, S); (B, num_heads, L, S) for a 3-D attn_mask; (B, 1, 1, S) for a
-        key padding mask.
+        ``"sdpa"``: the mask's own shape. ``"mha"``: (L, S); (B, num_heads,
+        L, S) for a 3-D attn_mask; (B, 1, 1, S) for a key padding mask.
 
     Examples
     --------
     >>> import numpy as np
     >>> from qkv import masks
-    >>> blocked = np.array([[False, True], [False, False]])
-    >>> masks.from_torch(blocked).astype(int)
+    >>> m = np.array([[True, False], [True, True]])
+    >>> masks.from_torch(m, kind="sdpa").astype(int)   # SDPA: True = may attend
     array([[1, 0],
            [1, 1]])
-    >>> masks.from_torch(np.array([[0.0, -np.inf]])).astype(int)
+    >>> masks.from_torch(m, kind="mha").astype(int)    # nn.MultiheadAttention: True = blocked
+    array([[0, 1],
+           [0, 0]])
+    >>> masks.from_torch(np.array([[0.0, -np.inf]]), kind="sdpa").astype(int)
     array([[1, 0]])
-    >>> masks.from_torch(np.array([[True, False]]), kind="key_padding_mask").shape
-    (1, 1, 1, 2)
-    >>> masks.from_torch(key_padding_mask=np.array([[False, True]])).astype(int)
+    >>> masks.from_torch(key_padding_mask=np.array([[False, True]]), kind="mha").astype(int)
     array([[[[1, 0]]]])
     """
+    if kind not in TORCH_KINDS:
+        said = "no kind" if kind is None else f"kind={kind!r}"
+        if kind in ("attn_mask", "key_padding_mask"):
+            said += " (an older qkv's; the key padding mask is now key_padding_mask=..., kind='mha')"
+        raise TypeError(
+            f"from_torch needs kind='sdpa' ({TORCH_KINDS['sdpa']}) or kind='mha' ({TORCH_KINDS['mha']}), got {said}: "
+            "the two PyTorch conventions are opposite, so qkv does not guess"
+        )
     if key_padding_mask is not None:
-        if mask is not None:
-            raise ValueError("pass either mask or key_padding_mask, not both (convert them separately and combine)")
-        mask, kind = key_padding_mask, "key_padding_mask"
-    if mask is None:
-        raise TypeError("from_torch needs a mask (or key_padding_mask=)")
-    arr = as_array(mask, "mask")
-    if arr.dtype == np.bool_:
-        keep = ~arr
-    elif arr.dtype.kind == "f":
-        ok = (arr == 0) | (arr == -np.inf)
-        if not ok.all():
-            raise ValueError(
-                "mask: a float PyTorch mask converts only when it holds just 0 and -inf; "
-                f"got other values (e.g. {arr[~ok].flat[0]!r}): pass it as bias= instead"
-            )
-        keep = arr == 0
-    else:
-        raise TypeError(f"mask should be a boolean or float PyTorch mask, got dtype {arr.dtype}")
-    if kind == "key_padding_mask":
+        if kind != "mha":
+            raise ValueError("key_padding_mask is nn.MultiheadAttention's (True = padding): pass kind='mha'")
+        if attn_mask is not None:
+            raise ValueError("pass either attn_mask or key_padding_mask, not both (convert them separately and combine)")
+        keep = _keep_from_torch(key_padding_mask, "key_padding_mask", invert=True)
         if keep.ndim != 2:
-            raise ValueError(f"key_padding_mask shape should be (B, S), got {arr.shape}")
+            raise ValueError(f"key_padding_mask shape should be (B, S), got {keep.shape}")
         return keep[:, None, None, :]
-    if kind != "attn_mask":
-        raise ValueError(f"kind should be 'attn_mask' or 'key_padding_mask', got {kind!r}")
-    if keep.ndim == 2:
+    if attn_mask is None:
+        raise TypeError("from_torch needs a mask: attn_mask (or key_padding_mask=, with kind='mha')")
+    keep = _keep_from_torch(attn_mask, "attn_mask", invert=kind == "mha")
+    if kind == "sdpa" or keep.ndim == 2:
+        if num_heads is not None and kind == "sdpa":
+            raise ValueError("num_heads is for kind='mha' 3-D masks; an SDPA mask already broadcasts against (..., H, L, S)")
         return keep
     if keep.ndim == 3:
         if num_heads is None:
-            raise ValueError(f"num_heads is needed to unflatten a 3-D attn_mask of shape {arr.shape} (B * num_heads, L, S)")
+            raise ValueError(f"num_heads is needed to unflatten a 3-D attn_mask of shape {keep.shape} (B * num_heads, L, S)")
         num_heads = check_int(num_heads, "num_heads", minimum=1)
         if keep.shape[0] % num_heads:
-            raise ValueError(f"attn_mask shape {arr.shape}: first dim should be a multiple of num_heads={num_heads}")
+            raise ValueError(f"attn_mask shape {keep.shape}: first dim should be a multiple of num_heads={num_heads}")
         return keep.reshape(-1, num_heads, *keep.shape[1:])
-    raise ValueError(f"attn_mask shape should be (L, S) or (B * num_heads, L, S), got {arr.shape}")
+    raise ValueError(f"attn_mask shape should be (L, S) or (B * num_heads, L, S) for kind='mha', got {keep.shape}")
+
+
+def _keep_from_torch(mask, name: str, *, invert: bool) -> np.ndarray:
+    """A PyTorch mask as a keep-mask: boolean (inverted for the blocked convention), or additive 0/-inf."""
+    arr = as_array(mask, name)
+    if arr.dtype == np.bool_:
+        return ~arr if invert else arr
+    if arr.dtype.kind == "f":
+        ok = (arr == 0) | (arr == -np.inf)
+        if not ok.all():
+            raise ValueError(
+                f"{name}: a float PyTorch mask converts only when it holds just 0 and -inf; "
+                f"got other values (e.g. {arr[~ok].flat[0]!r}): pass it as bias= instead"
+            )
+        return arr == 0
+    raise TypeError(f"{name} should be a boolean or float PyTorch mask, got dtype {arr.dtype}")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import as_array, as_bool_mask, check_broadcast, check_int, float_dtype
+from ._checks import as_array, as_bool_mask, check_broadcast, check_int, float_dtype, pytorch_names
+
+_AXIS = {"dim": "qkv calls it axis=, as NumPy does", "keepdim": "qkv calls it keepdims=, as NumPy does"}
 
 __all__ = ["softmax", "logsumexp", "softmax_vjp", "logsumexp_vjp"]
 
@@ -75,6 +77,7 @@ def softmax_(x: np.ndarray, axis: int = -1, where=None, *, want_lse: bool = Fals
     return x, np.squeeze(lse, axis=axis)
 
 
+@pytorch_names(**_AXIS)
 def softmax(x, axis: int = -1, *, where=None) -> np.ndarray:
     """Stable softmax along ``axis``, optionally over kept entries only.
 
@@ -108,6 +111,7 @@ def softmax(x, axis: int = -1, *, where=None) -> np.ndarray:
     return softmax_(x.copy(), axis, where)
 
 
+@pytorch_names(**_AXIS)
 def logsumexp(x, axis: int = -1, *, where=None, keepdims: bool = False) -> np.ndarray:
     """Stable ``log(sum(exp(x)))`` along ``axis``, optionally over kept entries only.
 
@@ -149,6 +153,7 @@ def _grad_pair(y, dy, names):
     return y.astype(dtype, copy=False), dy.astype(dtype, copy=False)
 
 
+@pytorch_names(**_AXIS)
 def softmax_vjp(weights, d_weights, axis: int = -1) -> np.ndarray:
     """The gradient through a softmax, from its output: ``dx = y * (dy - sum(dy * y))``.
 
@@ -186,6 +191,7 @@ def softmax_vjp(weights, d_weights, axis: int = -1) -> np.ndarray:
     return y * (dy - (dy * y).sum(axis=axis, keepdims=True))
 
 
+@pytorch_names(**_AXIS)
 def logsumexp_vjp(x, d_lse, axis: int = -1, *, where=None) -> np.ndarray:
     """The gradient through ``logsumexp``: ``dx = softmax(x) * d_lse``.
 

@@ -26,6 +26,11 @@ def test_rope_rotate_half_equals_transformers(torch, base, start):
     pos = np.arange(start, start + L)
     # transformers' rotary embedding: inv_freq and angles in float32, emb = cat(freqs, freqs)
     inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    # torch's float32 pow is not correctly rounded on every CPU (with its AVX-512 kernel the frequencies are up to 2 ulp off
+    # NumPy's at base 500): they agree to 2 ulp, and the rotation is compared on the
+    # same frequencies, since at position 4000 one ulp of a frequency moves an angle by 2e-4 rad.
+    np.testing.assert_array_max_ulp(rope_frequencies(D, base), to_np(inv), maxulp=2)
+    inv = torch.from_numpy(rope_frequencies(D, base))
     freqs = torch.tensor(pos, dtype=torch.float32)[:, None] * inv[None, :]
     emb = torch.cat([freqs, freqs], -1)
     tq, tk = apply_rotary_pos_emb(torch.tensor(q), torch.tensor(k), emb.cos()[None], emb.sin()[None])
@@ -100,6 +105,53 @@ def test_cache_chunks_equal_full_causal_pass(chunks, window, G):
         assert cache.layers[0].stored == (t if window is None else min(t, window - 1))
     np.testing.assert_allclose(np.concatenate(out, axis=-2), full, atol=1e-12)
     assert len(cache) == n
+
+
+@given(st.integers(1, 12), st.data(), st.sampled_from([None, 3, 40]))
+def test_crop_then_decode_equals_decoding_the_prefix(n, data, window):
+    """crop(t) then feeding tokens t.. again gives what a cache that only ever saw 0..t-1 gives (Flax-style)."""
+    t = data.draw(st.integers(0, n))
+    rng = np.random.default_rng(n * 13 + t)
+    q = rng.standard_normal((2, n, 4))
+    k, v = rng.standard_normal((2, 2, n, 4))
+    win = None if window is None else (window - 1, 0)
+    full = sdpa(q, k, v, is_causal=True, window=win)
+    cache = KVCache(1, windows=window)
+    cache.update(0, k, v)
+    problem = cache.layers[0]._crop_problem(t)
+    if problem:  # a sliding layer dropped what position t would need: refused, and the cache unchanged
+        with pytest.raises(ValueError, match="layer 0: cannot crop to"):
+            cache.crop(t)
+        assert len(cache) == n
+        return
+    cache.crop(t)
+    assert len(cache) == t
+    out = [sdpa(q[:, i : i + 1], *cache.update(0, k[:, i : i + 1], v[:, i : i + 1]), is_causal=True, window=win) for i in range(t, n)]
+    if out:
+        np.testing.assert_allclose(np.concatenate(out, axis=-2), full[:, t:], atol=1e-12)
+    assert len(cache) == n
+
+
+def test_cache_reset_and_crop():
+    cache = KVCache(2, windows=[None, 4])
+    for layer in range(2):
+        cache.update(layer, np.ones((1, 3, 4)), np.ones((1, 3, 4)))
+    cache.crop(3)  # nothing to forget
+    assert len(cache) == 3 and [c.stored for c in cache.layers] == [3, 3]
+    cache.crop(1)
+    assert len(cache) == 1 and [c.stored for c in cache.layers] == [1, 1]
+    cache.reset()
+    assert len(cache) == 0 and cache.nbytes == 0 and cache.layers[1].window == 4
+    keys, _ = cache.update(0, np.ones((2, 1, 5, 8)), np.ones((2, 1, 5, 8)))  # a new shape after reset
+    assert keys.shape == (2, 1, 5, 8)
+    with pytest.raises(ValueError, match="cannot crop in the middle of a forward pass"):
+        cache.crop(0)
+    with pytest.raises(ValueError, match="length should be >= 0, got -1"):
+        cache.layers[0].crop(-1)
+    with pytest.raises(ValueError, match="length should be <= the 5 tokens the cache holds, got 6"):
+        cache.layers[0].crop(6)
+    with pytest.raises(TypeError, match="length should be an integer"):
+        cache.crop(1.0)
 
 
 def test_sliding_cache_memory_is_bounded():

@@ -68,6 +68,38 @@ class LayerCache:
             return None, None
         return self._k[..., self._start : self._end, :], self._v[..., self._start : self._end, :]
 
+    def reset(self) -> None:
+        """Forget every token (the buffers go too): the layer is as new."""
+        self._k = self._v = None
+        self._start = self._end = self.seen = 0
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens, forget the rest (as after ``length`` tokens).
+
+        On a sliding-window layer this needs the tokens the window of
+        position ``length`` would hold; once they were dropped it is an error.
+        """
+        length = check_int(length, "length", minimum=0)
+        problem = self._crop_problem(length)
+        if problem:
+            raise ValueError(problem)
+        self._end -= self.seen - length
+        self._start = min(self._start, self._end)
+        self.seen = length
+
+    def _crop_problem(self, length: int) -> str | None:
+        """Why :meth:`crop` to ``length`` cannot be done, or None."""
+        if length > self.seen:
+            return f"length should be <= the {self.seen} tokens the cache holds, got {length}"
+        need = length if self.window is None else min(length, self.window - 1)  # what position `length` attends back to
+        first = self.seen - self.stored  # the position of the oldest kept token
+        if length - need < first:
+            return (
+                f"cannot crop to {length} tokens: this sliding-window layer (window {self.window}) keeps only "
+                f"positions {first}..{self.seen - 1}, and {length - need}.. were dropped already"
+            )
+        return None
+
     def update(self, key, value) -> tuple[np.ndarray, np.ndarray]:
         """Append ``n`` new keys/values; return what the new queries attend over.
 
@@ -154,6 +186,38 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
+
+    def reset(self) -> None:
+        """Forget every token of every layer (a new conversation); the windows stay."""
+        for c in self.layers:
+            c.reset()
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens of every layer (undo the last ``len(self) - length``).
+
+        What Hugging Face's ``DynamicCache.crop`` does for speculative decoding
+        or editing a conversation; ``length`` counts from the start and must be
+        in ``[0, len(self)]`` (a negative one is an error, not a count from the end).
+
+        >>> import numpy as np
+        >>> from qkv import KVCache
+        >>> cache = KVCache(num_layers=2)
+        >>> for layer in range(2):
+        ...     _ = cache.update(layer, np.ones((1, 5, 4)), np.ones((1, 5, 4)))
+        >>> cache.crop(3); len(cache), [c.stored for c in cache.layers]
+        (3, [3, 3])
+        >>> cache.reset(); len(cache)
+        0
+        """
+        length = check_int(length, "length", minimum=0)
+        if any(c.seen != self.layers[0].seen for c in self.layers):
+            raise ValueError(f"cannot crop in the middle of a forward pass: the layers hold {[c.seen for c in self.layers]} tokens")
+        for i, c in enumerate(self.layers):  # every layer checked before any changes
+            problem = c._crop_problem(length)
+            if problem:
+                raise ValueError(f"layer {i}: {problem}")
+        for c in self.layers:
+            c.crop(length)
 
     def update(self, layer: int, key, value) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`LayerCache.update` of layer ``layer``."""

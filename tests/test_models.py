@@ -195,10 +195,16 @@ def test_erf_accuracy_float32():
 
 
 def test_gelu_forms_match_torch(torch):
+    # Judged as FlashAttention's tests judge float32: the error against torch's float64 at most twice
+    # torch's own float32 error (torch's float32 erf differs by CPU: 1.1e-6 off float64 with AVX-512).
     x = np.linspace(-8, 8, 10_001).astype(np.float32)
     t = torch.from_numpy(x)
-    np.testing.assert_allclose(gelu(x), torch.nn.functional.gelu(t).numpy(), atol=1e-6, rtol=0)
-    np.testing.assert_allclose(gelu_tanh(x), torch.nn.functional.gelu(t, approximate="tanh").numpy(), atol=1e-6, rtol=0)
+    for ours, approximate in ((gelu, "none"), (gelu_tanh, "tanh")):
+        ref = torch.nn.functional.gelu(t.double(), approximate=approximate).numpy()
+        theirs = torch.nn.functional.gelu(t, approximate=approximate).numpy()
+        got = ours(x)
+        assert got.dtype == np.float32
+        assert np.abs(got - ref).max() <= 2 * np.abs(theirs - ref).max(), approximate
 
 
 # --------------------------------------------------------- a tiny checkpoint

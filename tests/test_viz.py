@@ -13,7 +13,8 @@ from qkv.scaling import score_statistics  # noqa: E402
 def check_png(path, fig):
     img = mpimg.imread(path)  # (rows, cols, channels), floats in [0, 1]
     w_in, h_in = fig.get_size_inches()
-    assert img.shape[:2] == (round(h_in * 120), round(w_in * 120))  # saved at 120 dpi
+    # saved at 120 dpi (matplotlib truncates a fractional pixel: within one of the rounded size)
+    assert abs(img.shape[0] - h_in * 120) <= 1 and abs(img.shape[1] - w_in * 120) <= 1
     rgb = img[..., :3]
     assert rgb.std() > 0.05, "image is blank"
     assert len(np.unique(rgb.reshape(-1, 3).round(2), axis=0)) > 20, "image has almost no colours"
@@ -110,18 +111,87 @@ def test_missing_glyphs_give_one_warning_at_most(tmp_path, monkeypatch):
     assert len(glyph) <= 1  # one, saying what to install, where no installed font has them; none where one does
 
 
-def test_pca_labels_do_not_overlap():
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((12, 16))
-    x[6] = x[0]  # the same word twice: one static point, two contextual ones
-    tokens = ["i", "sat", "on", "the", "river", "bank", "bank", "cash", "at", "the", "money", "bank"]
-    fig = viz.plot_embedding_shift(x, x + 0.05 * rng.standard_normal((12, 16)), tokens)
+def _label_boxes(fig):
+    """The text boxes of a PCA picture's labels (the text alone, not its leader line), drawn."""
+    from matplotlib.text import Text
+
     renderer = fig.canvas.get_renderer() if hasattr(fig.canvas, "get_renderer") else None
     if renderer is None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
         renderer = FigureCanvasAgg(fig).get_renderer()
     fig.draw(renderer)
-    boxes = [t.get_window_extent(renderer) for t in fig.axes[0].texts if t.get_text()]
-    overlaps = sum(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
-    assert overlaps == 0
+    ax = fig.axes[0]
+    labels = [t for t in ax.texts if t.get_text() and t.get_position() != (0.99, 0.01)]
+    return ax, renderer, [(t.get_text(), Text.get_window_extent(t, renderer)) for t in labels]
+
+
+def check_labels_clear(fig, points):
+    """No label overlaps another, covers a marker, or leaves the axes; every label names one token."""
+    ax, renderer, boxes = _label_boxes(fig)
+    overlaps = [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1 :] if ba.overlaps(bb)]
+    assert overlaps == []
+    marker = 3.0 * fig.dpi / 72  # half a scatter marker (s=40: 6.3 points across), in pixels
+    pix = ax.transData.transform(points)
+    covered = [(t, tuple(p)) for t, b in boxes for p in pix if b.x0 < p[0] + marker and b.x1 > p[0] - marker and b.y0 < p[1] + marker and b.y1 > p[1] - marker]
+    assert covered == []
+    inside = ax.get_window_extent(renderer)
+    assert all(inside.x0 <= b.x0 and b.x1 <= inside.x1 and inside.y0 <= b.y0 and b.y1 <= inside.y1 for _, b in boxes)
+    return [t for t, _ in boxes]
+
+
+def test_pca_labels_do_not_overlap():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((12, 16))
+    x[6] = x[0]  # the same word twice: one static point, two contextual ones
+    tokens = ["i", "sat", "on", "the", "river", "bank", "bank", "cash", "at", "the", "money", "bank"]
+    c = x + 0.05 * rng.standard_normal((12, 16))
+    fig = viz.plot_embedding_shift(x, c, tokens)
+    check_labels_clear(fig, np.concatenate(viz.pca_2d(x, c)))
+
+
+def test_the_demo_picture_labels_every_token_once_and_clear():
+    """qkv demo's own picture: "the" twice is told apart, and no label sits on another or on a marker."""
+    from qkv import MultiHeadAttention, Vocabulary, sinusoidal_position_encoding, tokenize
+    from qkv.cli import DEFAULT_TEXT
+    from qkv.text import Embedding
+
+    tokens = tokenize(DEFAULT_TEXT)
+    rng = np.random.default_rng(0)  # as qkv demo draws: the table, then the layer
+    emb = Embedding(len(Vocabulary.from_texts([DEFAULT_TEXT])), 32, rng=rng)
+    x = (emb(Vocabulary.from_texts([DEFAULT_TEXT]).encode(tokens)) + sinusoidal_position_encoding(len(tokens), 32)).astype(np.float32)
+    after = x + MultiHeadAttention(32, 4, rng=rng)(x)
+    fig = viz.plot_embedding_shift(x, after, tokens)
+    shown = check_labels_clear(fig, np.concatenate(viz.pca_2d(x, after)))
+    red = [t for t in fig.axes[0].texts if t.get_color() == "#d62728"]
+    assert len({t.get_text() for t in red}) == len(tokens)  # one distinct label per token
+    assert {"the #0", "the #4"} <= set(shown)
+
+
+def test_many_panels_keep_their_labels_out_of_each_other():
+    """18 panels (one head in every layer): no panel's title, ticks or labels run into another panel's."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    w = np.tril(np.full((18, 3, 3), 1 / 3))
+    fig = viz.plot_attention(w, ["<bos>", "hello", " there"], mask=masks.causal(3), head_names=[f"layer {i} (window 512)" for i in range(18)], annotate=False)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+
+    def texts(ax):  # every piece of text a panel draws, and its frame
+        parts = [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels()]
+        return [t.get_window_extent(renderer) for t in parts if t.get_text()] + [ax.get_window_extent(renderer)]
+
+    boxes = [texts(ax) for ax in panels]
+    overlaps = [(panels[i].get_title(), panels[j].get_title()) for i in range(len(panels)) for j in range(i + 1, len(panels)) if any(a.overlaps(b) for a in boxes[i] for b in boxes[j])]
+    assert overlaps == []
+    figure_texts = [t.get_window_extent(renderer) for t in (fig._supxlabel, fig._supylabel)] + [lg.get_window_extent(renderer) for lg in fig.legends]
+    assert not any(a.overlaps(b) for i, a in enumerate(figure_texts) for b in figure_texts[i + 1 :])
+
+
+def test_a_long_text_stays_a_readable_size_and_says_where_to_look(tmp_path):
+    n = 501
+    w = np.random.default_rng(0).dirichlet(np.ones(n), size=(4, n))
+    fig = viz.plot_attention(w, [f"w{i}" for i in range(n)], scale="log", annotate=False)
+    assert fig.get_size_inches()[0] <= viz.MAX_FIGURE_INCHES + 6  # the panels, plus labels and colour bar
+    assert viz.labelled_every(n) == 13 and _tick_count(fig) <= viz.MAX_TICKS

@@ -36,7 +36,10 @@ __all__ = [
     "plot_score_variance",
     "plot_training",
     "pca_2d",
+    "labelled_every",
     "save",
+    "MAX_TICKS",
+    "MAX_FIGURE_INCHES",
 ]
 
 
@@ -109,11 +112,21 @@ def _finish(fig: Figure, path):
 
 #: Most tick labels per axis; past it every k-th token is labelled, with its index.
 MAX_TICKS = 40
+#: The most inches a heatmap figure's panels take across (and down): larger PNGs are only ever seen shrunk.
+MAX_FIGURE_INCHES = 16.0
+
+
+def labelled_every(n: int) -> int:
+    """Every how many tokens an axis of ``n`` tokens gets a label (1 up to :data:`MAX_TICKS` tokens).
+
+    >>> labelled_every(40), labelled_every(501)
+    (1, 13)
+    """
+    return max(1, math.ceil(n / MAX_TICKS))
 
 
 def _ticks(n: int) -> list[int]:
-    step = max(1, math.ceil(n / MAX_TICKS))
-    return list(range(0, n, step))
+    return list(range(0, n, labelled_every(n)))
 
 
 def _labels(tokens, n: int, name: str) -> list[str]:
@@ -194,8 +207,18 @@ def plot_attention(
     # Inches per cell: short texts get readable cells; longer ones get larger panels (up to 12
     # inches), so the figure grows with the text while tick labels stay at most MAX_TICKS an axis.
     n = max(L, S, 1)
-    cell = min(0.42, max(4.5, min(12.0, 0.05 * n)) / n)
-    fig = Figure(figsize=(ncols * (S * cell + 1.4) + 1.0, nrows * (L * cell + 1.4) + 0.6), layout="constrained")
+    # At most MAX_FIGURE_INCHES across and down in all: past that a PNG is only seen shrunk, its labels unreadable.
+    cell = min(0.42, max(4.5, min(12.0, 0.05 * n)) / n, MAX_FIGURE_INCHES / (ncols * S or 1), MAX_FIGURE_INCHES / (nrows * L or 1))
+    # Room under and beside each panel for its tick labels (rotated tokens run down) and its title.
+    def label_in(labels, n):  # inches a tick label takes along its text (8 points: about 0.07 inch a character)
+        return min(1.6, 0.07 * (max(map(len, labels), default=1) + (4 if n > MAX_TICKS else 0)) + 0.1)
+
+    x_label_in = label_in(keys, S)
+    rotate = x_label_in > cell * labelled_every(S)  # key labels side by side would run together: stand them up
+    below = (x_label_in if rotate else 0.15) + 0.3  # under a panel: its key labels
+    beside = label_in(queries, L) + 0.3  # left of a panel: its query labels
+    title_in = 0.09 * max(map(len, names), default=0) + 0.2  # a panel's title must not reach its neighbour's
+    fig = Figure(figsize=(ncols * max(S * cell + beside, title_in) + 1.8, nrows * (L * cell + below + 0.35) + 0.9), layout="constrained")
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
     if scale not in ("linear", "log"):
         raise ValueError(f"scale should be 'linear' or 'log', got {scale!r}")
@@ -220,13 +243,17 @@ def plot_attention(
                         ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
         ax.set_title(names[h], fontsize=10)
         xt, yt = _ticks(S), _ticks(L)  # at most MAX_TICKS labels per axis: long texts stay legible and fast
-        ax.set_xticks(xt, [keys[i] if S <= MAX_TICKS else f"{i} {keys[i]}" for i in xt], rotation=90 if max(map(len, keys)) > 2 or S > MAX_TICKS else 0, fontsize=8)
+        ax.set_xticks(xt, [keys[i] if S <= MAX_TICKS else f"{i} {keys[i]}" for i in xt], rotation=90 if rotate else 0, fontsize=8)
         ax.set_yticks(yt, [queries[i] if L <= MAX_TICKS else f"{queries[i]} {i}" for i in yt], fontsize=8)
-        ax.set_xlabel("key (attended to)", fontsize=8)
-        ax.set_ylabel("query (attending)", fontsize=8)
+        if H == 1:
+            ax.set_xlabel("key (attended to)", fontsize=8)
+            ax.set_ylabel("query (attending)", fontsize=8)
+    if H > 1:  # once for the figure: a label under every panel would run into the titles of the row below
+        fig.supxlabel("key (attended to)", fontsize=9)
+        fig.supylabel("query (attending)", fontsize=9)
     fig.colorbar(image, ax=axes[:H].tolist(), shrink=0.8, label="attention weight" + (" (log scale)" if scale == "log" else ""), extend="min" if scale == "log" else "neither")
     if not keep.all():
-        fig.legend(handles=[Patch(facecolor=_MASKED_COLOR, hatch="///", edgecolor="#8c8c8c", label="masked (may not attend)")], loc="outside lower center", fontsize=8)
+        fig.legend(handles=[Patch(facecolor=_MASKED_COLOR, hatch="///", edgecolor="#8c8c8c", label="masked (may not attend)")], loc="outside lower right", fontsize=8)
     fig.suptitle(title)
     return _finish(fig, path)
 
@@ -338,11 +365,15 @@ def plot_embedding_shift(
     ax.scatter(*o2.T, color="#1f77b4", s=40, label="original (static) embedding", zorder=3)
     ax.scatter(*c2.T, color="#d62728", s=40, marker="s", label="contextual (after attention)", zorder=3)
     # The same word in two places has one static point: label it once, with every name it stands for.
-    at: dict[tuple, list[str]] = {}
-    for i, t in enumerate(labels):
-        at.setdefault(tuple(np.round(o2[i], 6)), []).append(t)
-    texts = [(c2[i], t, "#d62728") for i, t in enumerate(labels)]
-    texts += [(np.array(xy), ", ".join(dict.fromkeys(names)), "#1f77b4") for xy, names in at.items()]
+    # A word in two places with two static points (a position encoding added, say) gets its
+    # position in each label, so the two are told apart ("the #0", "the #6").
+    at: dict[tuple, list[int]] = {}
+    for i in range(len(labels)):
+        at.setdefault(tuple(np.round(o2[i], 6)), []).append(i)
+    point = {i: key for key, idx in at.items() for i in idx}  # each token's static point
+    shown = [f"{t} #{i}" if len({point[j] for j, u in enumerate(labels) if u == t}) > 1 else t for i, t in enumerate(labels)]
+    texts = [(c2[i], shown[i], "#d62728") for i in range(len(labels))]
+    texts += [(o2[idx[0]], ", ".join(dict.fromkeys(shown[i] for i in idx)), "#1f77b4") for idx in at.values()]
     if len(labels) > MAX_TICKS:  # too many to read: the first place of each distinct word, at most MAX_TICKS
         first = {}
         for i, t in enumerate(labels):
@@ -350,7 +381,10 @@ def plot_embedding_shift(
         keep = sorted(first.values())[: MAX_TICKS // 2]
         texts = [(c2[i], labels[i], "#d62728") for i in keep] + [(o2[i], labels[i], "#1f77b4") for i in keep]
         ax.text(0.99, 0.01, f"labelled: the first place of {len(keep)} of the {len(labels)} tokens", transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="#555555")
-    for (xy, t, color), offset in zip(texts, _label_offsets(fig, ax, np.array([p for p, _, _ in texts]), [t for _, t, _ in texts])):
+    # Everything drawn so far is an obstacle for the labels: the points and the arrows between them.
+    along = np.linspace(0.15, 0.85, 6)[:, None, None]
+    obstacles = np.concatenate([o2, c2, (o2 + along * (c2 - o2)).reshape(-1, 2)])
+    for (xy, t, color), offset in zip(texts, _label_offsets(fig, ax, np.array([p for p, _, _ in texts]), [t for _, t, _ in texts], obstacles)):
         ax.annotate(t, xy, xytext=offset, textcoords="offset points", color=color, fontsize=9,
                     arrowprops=dict(arrowstyle="-", color=color, lw=0.5, alpha=0.5) if np.hypot(*offset) > 14 else None)
     ax.set_xlabel("principal component 1")
@@ -361,32 +395,58 @@ def plot_embedding_shift(
     return _finish(fig, path)
 
 
-def _label_offsets(fig: Figure, ax, points: np.ndarray, texts: list[str], fontsize: float = 9) -> list[tuple]:
-    """Offsets (in points) that keep labels from overlapping each other: a greedy search, label by label.
+def _label_offsets(fig: Figure, ax, points: np.ndarray, texts: list[str], obstacles: np.ndarray, fontsize: float = 9) -> list[tuple]:
+    """Offsets (in points) that keep labels off each other and off the markers: a greedy search, label by label.
 
-    Each label tries positions around its point, nearest first, and takes
-    the first whose box (estimated from the text length) overlaps no label
-    placed before it; a leader line joins a label moved far from its point.
+    Each label tries positions around its point, nearest first, and takes the
+    first whose box (measured by the renderer) overlaps no label placed before
+    it and no obstacle (a marker, or a point along an arrow); a leader line
+    joins a label moved far from its point. Labels are placed in order of
+    crowding (the points with most neighbours first), so the hardest get
+    the nearest places.
     """
+    from matplotlib.font_manager import FontProperties
+
     ax.set_xlim(ax.get_xlim())  # fix the view so data -> points is known
     ax.set_ylim(ax.get_ylim())
     fig.draw_without_rendering()  # the constrained layout places the axes
-    to_pts = ax.transData.transform(points) * 72.0 / fig.dpi  # (N, 2) in points
-    candidates = [(4, 4), (4, -12), (-4, 4), (-4, -12)] + [(r * np.cos(a), r * np.sin(a)) for r in (18, 30, 44, 60) for a in np.linspace(0, 2 * np.pi, 12, endpoint=False)]
-    placed, out = [], []
-    for (x, y), t in zip(to_pts, texts):
-        w, h = 0.6 * fontsize * max(1, len(t)), 1.2 * fontsize
-        choice = candidates[0]
+    if not hasattr(fig.canvas, "get_renderer"):  # a Figure made without pyplot: give it Agg's canvas to measure text
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    to_pts = lambda xy: ax.transData.transform(xy) * 72.0 / fig.dpi  # noqa: E731  (data -> points)
+    pts, obs = to_pts(points), to_pts(obstacles)  # (N, 2), (M, 2)
+    font = FontProperties(size=fontsize)
+    pad = 2.0  # points of clearance around a label
+    marker = 4.5  # half the side of a marker's box, in points (scatter s=40: about 6.3 points across)
+    sizes = []  # (width, height, descent) of each label with its clearance, in points
+    for t in texts:
+        w, h, d = (v * 72.0 / fig.dpi for v in renderer.get_text_width_height_descent(t, font, ismath=False))
+        sizes.append((w + 2 * pad, h + 2 * pad, d + pad))
+    near = marker + 1.5  # just off the label's own marker
+    candidates = [(near, 2), (near, -12), (-near, 2), (-near, -12), (near, -5), (-near, -5)] + [(r * np.cos(a), r * np.sin(a)) for r in (16, 26, 38, 52, 68) for a in np.linspace(0, 2 * np.pi, 16, endpoint=False)]
+    (ax0, ay0), (ax1, ay1) = ax.get_window_extent().get_points() * 72.0 / fig.dpi  # labels stay inside the axes
+    crowd = np.argsort(-(np.hypot(*(pts[:, None] - pts[None]).transpose(2, 0, 1)) < 40).sum(1), kind="stable")
+    placed = []
+    out = [None] * len(texts)
+    for k in crowd:  # (dx, dy): where the text's baseline starts (dx > 0) or ends (dx < 0) from its point
+        (x, y), (w, h, d) = pts[k], sizes[k]
+        choice, best = None, None
         for dx, dy in candidates:
             x0 = x + dx - (w if dx < 0 else 0)
-            box = (x0, y + dy, x0 + w, y + dy + h)
-            if all(box[2] <= b[0] or box[0] >= b[2] or box[3] <= b[1] or box[1] >= b[3] for b in placed):
-                choice = (dx, dy)
+            box = (x0, y + dy - d, x0 + w, y + dy - d + h)
+            hits = sum(not (box[2] <= b[0] or box[0] >= b[2] or box[3] <= b[1] or box[1] >= b[3]) for b in placed)
+            hits += 100 * (box[0] < ax0 or box[2] > ax1 or box[1] < ay0 or box[3] > ay1)
+            hits += int(np.sum((obs[:, 0] + marker > box[0]) & (obs[:, 0] - marker < box[2]) & (obs[:, 1] + marker > box[1]) & (obs[:, 1] - marker < box[3])))
+            if best is None or hits < best:
+                choice, best = (dx, dy), hits
+            if hits == 0:
                 break
         dx, dy = choice
         x0 = x + dx - (w if dx < 0 else 0)
-        placed.append((x0, y + dy, x0 + w, y + dy + h))
-        out.append((dx - (w if dx < 0 else 0), dy))
+        placed.append((x0, y + dy - d, x0 + w, y + dy - d + h))
+        out[k] = (x0 - x + pad, dy)  # the text itself starts inside its clearance
     return out
 
 

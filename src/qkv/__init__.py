@@ -26,9 +26,9 @@ go in ``bias=``. The functional core puts heads before the sequence,
 (2, 2, 4, 4)
 """
 
-from . import masks
-from .cache import KVCache
-from .attention import attention_weights, memory_estimate, merge_attention, scaled_dot_product_attention, scaled_dot_product_attention_vjp
+from . import masks, mods
+from .cache import KVCache, PagedKVCache
+from .attention import AttentionGrads, attention_weights, memory_estimate, merge_attention, scaled_dot_product_attention, scaled_dot_product_attention_vjp
 from .heads import merge_heads, split_heads
 from .layers import AttentionTrace, MultiHeadAttention
 from .positional import sinusoidal_position_encoding
@@ -39,16 +39,19 @@ from .text import Embedding, Vocabulary, tokenize
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionGrads",
     "AttentionTrace",
     "Embedding",
     "KVCache",
     "MultiHeadAttention",
+    "PagedKVCache",
     "Vocabulary",
     "apply_rope",
     "attention_weights",
     "logsumexp",
     "masks",
     "memory_estimate",
+    "mods",
     "merge_attention",
     "merge_heads",
     "scaled_dot_product_attention",

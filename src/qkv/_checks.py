@@ -23,7 +23,7 @@ def as_array(x, name: str, *, min_ndim: int = 0) -> np.ndarray:
         arr = np.asarray(x)
     except Exception as exc:  # ragged lists, objects without __array__, ...
         raise TypeError(f"{name} should be an array, got {type(x).__name__}: {exc}") from None
-    if arr.dtype == object or arr.dtype.kind in "USVMm":
+    if arr.dtype == object or (arr.dtype.kind in "USVMm" and arr.dtype.name != "bfloat16"):  # ml_dtypes' bfloat16 is kind "V"
         raise TypeError(f"{name} should be a numeric array, got dtype {arr.dtype} from {type(x).__name__}")
     if arr.dtype.kind == "c":
         raise TypeError(f"{name} should be a real array (attention is defined on real numbers), got dtype {arr.dtype}")
@@ -106,7 +106,16 @@ def check_fits(nbytes: int, what: str, hint: str) -> None:
 
 def float_dtype(*arrays: np.ndarray) -> np.dtype:
     """The floating dtype NumPy promotion gives these arrays (ints and bools become float64)."""
-    return np.result_type(*arrays, 1.0)
+    dt = np.result_type(*arrays)
+    if dt.name == "bfloat16":  # ml_dtypes: a Python float would promote it to float64
+        return dt
+    return np.result_type(dt, 1.0)
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype qkv computes in for inputs of ``dtype``: float32 for the half-precision ones
+    (float16, ml_dtypes' bfloat16), as FlashAttention accumulates them; the dtype itself otherwise."""
+    return np.dtype(np.float32) if dtype == np.float16 or dtype.name == "bfloat16" else dtype
 
 
 def pytorch_names(**renames: str):

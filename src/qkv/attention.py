@@ -27,15 +27,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import masks as _masks
-from ._checks import TORCH_ATTENTION_NAMES, as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, float_dtype, pytorch_names
+from ._checks import TORCH_ATTENTION_NAMES, compute_dtype as _compute_dtype, as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, float_dtype, pytorch_names
 from ._parallel import check_workers
 from .dropout import dropout_keep
 from . import flash as _flash
+from . import cache as _cache
+from . import variants as _variants
 
 __all__ = [
     "scaled_dot_product_attention",
     "unchecked_attention",
     "scaled_dot_product_attention_vjp",
+    "AttentionGrads",
     "attention_weights",
     "merge_attention",
     "memory_estimate",
@@ -58,11 +61,12 @@ class _Problem:
     bias: np.ndarray | None  # float, broadcastable to (..., Hk, G, L, S)
     scale: float
     dtype: np.dtype  # result dtype
-    compute_dtype: np.dtype  # float32 for float16 input
+    compute_dtype: np.dtype  # float32 for float16 and bfloat16 input
     unbatched: bool  # query came as (L, D)
     out_shape: tuple  # (..., Hq, L, Dv) before removing the heads axis of unbatched input
     scores_shape: tuple  # (..., Hq, L, S)
     window: tuple | None  # (left, right) keys around each query's position, bottom-right aligned; None = no limit
+    variants: object = None  # qkv.variants.Variants: softcap, ALiBi, sinks, score and mask mods, packing; None = none
 
     def structural_mask(self) -> np.ndarray | None:
         """The causal / sliding-window mask as an (L, S) array (the direct path needs it materialised)."""
@@ -112,7 +116,11 @@ def _window(is_causal: bool, window) -> tuple | None:
     return left, right
 
 
-def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _Problem:
+#: The keywords of the attention variants (qkv.variants.prepare checks them).
+VARIANT_KEYWORDS = ("score_mod", "mask_mod", "block_mask", "softcap", "sinks", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "query_seq_lengths", "key_value_seq_lengths")
+
+
+def _prepare(query, key, value, mask, bias, is_causal, scale, window=None, **variants) -> _Problem:
     q = as_array(query, "query", min_ndim=2)
     k = as_array(key, "key", min_ndim=2)
     v = None if value is None else as_array(value, "value", min_ndim=2)
@@ -125,7 +133,7 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
             f"key and value lengths (S) should match, got key {k.shape} and value {v.shape}"
         )
     dtype = float_dtype(q, k) if v is None else float_dtype(q, k, v)
-    compute_dtype = np.dtype(np.float32) if dtype == np.float16 else dtype
+    compute_dtype = _compute_dtype(dtype)
     # Unbatched only when nothing carries batch or head dims: a (L, D) query against batched keys
     # broadcasts like any other leading dims, and the result keeps them.
     unbatched = q.ndim == 2 and k.ndim == 2 and (v is None or v.ndim == 2)
@@ -180,6 +188,7 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
         check_broadcast(bias, user_scores_shape, "bias", "scores")
         bias = bias.astype(compute_dtype, copy=False)
 
+    var, window = _variants.prepare(batch=batch, Hk=Hk, G=G, L=L, S=S, compute_dtype=compute_dtype, window=_window(bool(is_causal), window), **variants)
     q = q.astype(compute_dtype, copy=False).reshape(*q.shape[:-3], Hk, G, L, D)  # (..., Hk, G, L, D)
     k = k.astype(compute_dtype, copy=False)[..., None, :, :]  # (..., Hk, 1, S, D)
     if v is not None:
@@ -196,7 +205,8 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None) -> _P
         unbatched=unbatched,
         out_shape=(*batch, Hq, L, Dv),
         scores_shape=scores_shape,
-        window=_window(bool(is_causal), window),
+        window=window,
+        variants=var,
     )
 
 
@@ -212,20 +222,53 @@ def unchecked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarr
     return np.matmul(_flash.step_softmax_(scores, None), v)
 
 
-def _weights(p: _Problem, want_lse: bool = False, kernel: str | None = None):
+@dataclass
+class _Direct:
+    """The direct path's softmax of one problem, and what its backward needs."""
+
+    weights: np.ndarray  # (..., Hk, G, L, S), the compute dtype, before dropout
+    lse: np.ndarray | None  # (..., Hk, G, L)
+    saved: tuple | None  # the variants' intermediates (qkv.variants.Variants.backward)
+    grid: tuple | None  # the index arrays the mods were called with
+
+
+def _direct(p: _Problem, *, want_lse: bool = False, kernel: str | None = None, save: bool = False) -> _Direct:
     """Softmax weights, (..., Hk, G, L, S) in the compute dtype (and the log-sum-exp per row).
 
     The softmax is the tiled path's block step over all the keys (``kernel``, default
-    :data:`qkv.flash.KERNEL`), then the division: one kernel for both paths.
+    :data:`qkv.flash.KERNEL`), then the division: one kernel for both paths. The
+    variants (softcap, ALiBi, score and mask mods, sinks) act on the whole block,
+    with the same code as on a tile.
     """
+    var = p.variants
     # The scale goes on the queries (L x D numbers) rather than the scores (L x S).
     scores = _flash.score_product(p.q * p.q.dtype.type(p.scale), np.swapaxes(p.k, -1, -2), p.q.shape[-2])  # (..., Hk, G, L, S)
-    if p.bias is not None:
-        scores = scores + p.bias  # may broadcast to a bigger shape: not in place
     mask = p.full_mask()
+    saved = grid = sinks = None
+    if var is None:
+        if p.bias is not None:
+            scores = scores + p.bias  # may broadcast to a bigger shape: not in place
+    else:
+        *_, Hk, G, L, S = scores.shape
+        full = (*p.scores_shape[:-3], Hk, G, L, S)  # every batch entry: a mod may depend on b
+        if scores.shape != full:
+            scores = np.array(np.broadcast_to(scores, full))
+        grid = var.grid(p.scores_shape[:-3], Hk, G, L, S)
+        scores, saved = var.scores_(scores, grid, p.bias, save=save)
+        mask = _masks.combine(mask, var.keep(grid, scores.shape))
+        if var.sinks is not None:
+            sinks = var.sinks[..., None]  # (..., Hk, G, 1): one per row
     if mask is not None and scores.shape != np.broadcast_shapes(scores.shape, mask.shape):
         scores = np.array(np.broadcast_to(scores, np.broadcast_shapes(scores.shape, mask.shape)))
-    return _flash.step_softmax_(scores, mask, want_lse=want_lse, kernel=kernel)
+    res = _flash.step_softmax_(scores, mask, want_lse=want_lse, kernel=kernel, sinks=None if sinks is None else np.broadcast_to(sinks, scores.shape[:-1]))
+    weights, lse = res if want_lse else (res, None)
+    return _Direct(weights=weights, lse=lse, saved=saved, grid=grid)
+
+
+def _weights(p: _Problem, want_lse: bool = False, kernel: str | None = None):
+    """Softmax weights (and the log-sum-exp): :func:`_direct` without what the backward needs."""
+    d = _direct(p, want_lse=want_lse, kernel=kernel)
+    return (d.weights, d.lse) if want_lse else d.weights
 
 
 def _need_rng(rng):
@@ -278,6 +321,63 @@ def _finish(x: np.ndarray, p: _Problem, last: int, *, keep_dtype: bool = False) 
     return x[0] if p.unbatched else x
 
 
+def _variant_kw(names: dict) -> dict:
+    """The variant keywords of a call, from its ``locals()``."""
+    return {k: names[k] for k in VARIANT_KEYWORDS}
+
+
+class AttentionGrads(tuple):
+    """What a vjp returns: ``(d_query, d_key, d_value, d_bias)``, and the variants' gradients by name.
+
+    It unpacks as the four-tuple; ``d_sinks`` (the sinks' shape),
+    ``d_alibi_slopes`` (the slopes' shape) and ``d_score_mod`` (a dict of the
+    score mod's parameter gradients, e.g. ``{"slopes": ...}`` for
+    :func:`qkv.mods.alibi`) are attributes, None where not asked for.
+    """
+
+    def __new__(cls, d_query, d_key, d_value, d_bias, *, d_sinks=None, d_alibi_slopes=None, d_score_mod=None):
+        self = super().__new__(cls, (d_query, d_key, d_value, d_bias))
+        self.d_sinks, self.d_alibi_slopes, self.d_score_mod = d_sinks, d_alibi_slopes, d_score_mod
+        return self
+
+    d_query = property(lambda self: self[0])
+    d_key = property(lambda self: self[1])
+    d_value = property(lambda self: self[2])
+    d_bias = property(lambda self: self[3])
+
+
+def _variant_grads(p: _Problem, out, d_out, lse, extras: dict, empty: bool) -> dict:
+    """The sinks', ALiBi slopes' and score mod's gradients, each in its input's shape and dtype."""
+    var = p.variants
+    if var is None:
+        return {}
+    batch = p.scores_shape[:-3]
+    Hk, G = var.heads
+    grads = {}
+
+    def to_user(g, name):  # (*batch, Hk, G) float64 -> the user's (..., Hq)
+        g = g.reshape(*batch, Hk * G)
+        return _sum_to(g, var.user_shapes[name]).astype(p.dtype if p.dtype.itemsize >= 4 else p.compute_dtype)
+
+    if var.sinks is not None:
+        if empty:
+            g = np.zeros((*batch, Hk, G))
+        else:
+            # dL/d sink = -sum_i P(sink)_i * delta_i: the sink is a key whose value is 0 (delta = rowsum(dO * O)).
+            delta = np.einsum("...d,...d->...", d_out.astype(np.float64), out.astype(np.float64))  # (..., Hk, G, L)
+            sink = np.broadcast_to(var.sinks, (*batch, Hk, G))[..., None].astype(np.float64)
+            g = -(np.exp(sink - lse.astype(np.float64)) * delta).sum(axis=-1)
+        grads["d_sinks"] = to_user(g, "sinks")
+    if var.alibi is not None:
+        g = extras.get("alibi", np.zeros((*batch, Hk, G)))
+        grads["d_alibi_slopes"] = to_user(np.broadcast_to(g, (*batch, Hk, G)), "alibi_slopes")
+    if var.score_mod is not None and hasattr(var.score_mod, "parameters"):
+        params = var.score_mod.parameters()
+        got = extras.get("score_mod", {})
+        grads["d_score_mod"] = {name: np.asarray(got.get(name, np.zeros(a.shape)), np.float64).reshape(a.shape).astype(a.dtype) for name, a in params.items()}
+    return grads
+
+
 @pytorch_names(**TORCH_ATTENTION_NAMES)
 def scaled_dot_product_attention(
     query,
@@ -289,6 +389,18 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     window: tuple | None = None,
     scale: float | None = None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    softcap: float | None = None,
+    sinks=None,
+    alibi_slopes=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    block_table=None,
+    cache_seqlens=None,
     dropout_p: float = 0.0,
     rng=None,
     return_weights: bool = False,
@@ -324,6 +436,49 @@ def scaled_dot_product_attention(
     scale : float, optional
         Multiplies the scores; default ``1 / sqrt(D)``, which keeps the score
         variance near 1 when queries and keys have unit variance.
+    score_mod : callable, optional
+        ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's
+        signature, called with broadcasting NumPy index arrays (see
+        :mod:`qkv.mods`); a :class:`qkv.mods.ScoreMod` also has a backward.
+    mask_mod : callable, optional
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend), ANDed
+        with ``mask``, ``is_causal`` and ``window``.
+    block_mask : qkv.mods.BlockMask, optional
+        A mask mod with its tiles sorted (:func:`qkv.mods.create_block_mask`):
+        the tiled path skips empty tiles and evaluates the mask mod only on
+        partial ones. Without it the tiled path makes one from ``mask_mod``.
+    softcap : float, optional
+        ``scores = softcap * tanh(scores / softcap)`` after scaling (Gemma 2);
+        > 0.
+    sinks : array_like, shape (Hq,) or broadcastable to (..., Hq), optional
+        One logit per head that joins each row's softmax with no value
+        (gpt-oss's attention sinks): the weights of the keys then sum to less
+        than 1, and a row with no keys gives zeros.
+    alibi_slopes : array_like, shape (Hq,) or (B, Hq), optional
+        ALiBi: ``- slope * |i + S - L - j|`` is added to the scaled scores
+        (FlashAttention's convention; :func:`qkv.mods.alibi_slopes` gives
+        BLOOM's and MPT's slopes).
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (N + 1,), optional
+        Packed variable-length sequences, as ``flash_attn_varlen_func``:
+        query, key and value are ``(H, total, D)`` (heads first, no batch
+        dims: FlashAttention's ``(total, H, D)`` swapped), sequence ``n`` is
+        rows ``cu[n]:cu[n + 1]``, and each sequence attends only to its own
+        keys; ``is_causal``, ``window`` and ALiBi align each sequence's ends
+        (bottom-right).
+    query_seq_lengths, key_value_seq_lengths : array_like of int, shape (B,), optional
+        Padded batches, as ``jax.nn.dot_product_attention``: only the first
+        ``n`` queries and keys of each sequence are real (the rest are padding:
+        zero rows, never attended); causal and window limits align each
+        sequence's real ends.
+    block_table : array_like of int, shape (B, P), optional
+        A paged key/value cache (decoding): ``key`` and ``value`` are then
+        pools of pages, ``(num_pages, Hk, page_size, D)``, and sequence ``b``'s
+        keys are pages ``block_table[b, 0], block_table[b, 1], ...``, its first
+        ``cache_seqlens[b]`` positions. Page numbers must lie in
+        ``[0, num_pages)`` (a negative one is an error, never wrapped).
+    cache_seqlens : array_like of int, shape (B,), optional
+        With ``block_table``: how many keys each sequence has (default: all
+        its pages).
     dropout_p : float, default 0.0
         Probability of zeroing each weight (kept weights are divided by
         ``1 - dropout_p``). Needs ``rng`` when > 0.
@@ -372,9 +527,15 @@ def scaled_dot_product_attention(
 
     Notes
     -----
+    The scores go through, in order: the scale, ``softcap``, ``bias`` and
+    ALiBi, ``score_mod``; then ``mask``, ``mask_mod``, ``is_causal`` and
+    ``window`` hide what they hide, and the softmax runs over the rest and the
+    sink (see :mod:`qkv.mods`).
+
     The result dtype is NumPy's promotion of the inputs' dtypes (integer and
-    bool inputs give float64; float32 stays float32). float16 input is
-    computed in float32 and returned as float16. Complex input is a
+    bool inputs give float64; float32 stays float32). float16 and bfloat16
+    (``ml_dtypes``) input is computed in float32 and returned in its own
+    dtype, the log-sum-exp in float32. Complex input is a
     ``TypeError``. A NaN in the inputs gives NaN in the rows it reaches, on
     both paths; a non-finite ``scale`` is a ``ValueError``.
 
@@ -395,7 +556,11 @@ def scaled_dot_product_attention(
     >>> w.sum(axis=-1)
     array([1., 1.])
     """
-    p = _prepare(query, key, value, mask, bias, is_causal, scale, window)
+    if block_table is not None or cache_seqlens is not None:
+        if key_value_seq_lengths is not None or cu_seqlens_k is not None:
+            raise ValueError("a paged cache (block_table) gives each sequence's key count as cache_seqlens, not key_value_seq_lengths or cu_seqlens_k")
+        key, value, key_value_seq_lengths = _cache.gather_pages(key, value, block_table, cache_seqlens)
+    p = _prepare(query, key, value, mask, bias, is_causal, scale, window, **_variant_kw(locals()))
     dropout_p = _check_dropout(dropout_p)
     workers = check_workers(workers)
     if kernel is not None:
@@ -448,6 +613,16 @@ def scaled_dot_product_attention_vjp(
     is_causal: bool = False,
     window: tuple | None = None,
     scale: float | None = None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    softcap: float | None = None,
+    sinks=None,
+    alibi_slopes=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
     dropout_p: float = 0.0,
     rng=None,
     implementation: str = "auto",
@@ -495,7 +670,8 @@ def scaled_dot_product_attention_vjp(
     True
     """
     shapes = {name: np.shape(x) for name, x in (("query", query), ("key", key), ("value", value))}
-    p = _prepare(query, key, value, mask, bias, is_causal, scale, window)
+    p = _prepare(query, key, value, mask, bias, is_causal, scale, window, **_variant_kw(locals()))
+    var = p.variants
     bias_shape = None if bias is None else np.shape(bias)
     dropout_p = _check_dropout(dropout_p)
     workers = check_workers(workers)
@@ -507,11 +683,13 @@ def scaled_dot_product_attention_vjp(
     S, Dv = p.k.shape[-2], p.v.shape[-1]
     key_ = None if dropout_p == 0.0 else _dropout_key(_need_rng(rng))
     empty = 0 in p.scores_shape or 0 in p.out_shape
+    lse = None
     if empty:
         out = np.zeros(p.out_shape, dt).reshape(*p.scores_shape[:-3], Hk, G, L, Dv)
     elif impl == "direct":
         _check_direct_fits(p, dropout_p > 0)
-        w = _weights(p, kernel=kernel)  # (..., Hk, G, L, S)
+        fwd = _direct(p, want_lse=var is not None and var.sinks is not None, kernel=kernel, save=True)
+        w, lse = fwd.weights, fwd.lse  # (..., Hk, G, L, S)
         factor = None if not dropout_p else _dropout_factor(w.shape, key_, dropout_p, dt)  # the forward's own pattern
         w_drop = w if factor is None else _apply_dropout(w, factor)
         out = w_drop @ p.v  # (..., Hk, G, L, Dv)
@@ -527,6 +705,7 @@ def scaled_dot_product_attention_vjp(
             raise ValueError(f"d_output shape should be {output.shape} (the output's), got {d.shape}")
         d_out = d.astype(dt, copy=False).reshape(out.shape)  # (..., Hk, G, L, Dv)
         batch = p.scores_shape[:-3]
+        extras = {}
         if empty:
             dq, dk, dv = np.zeros((*batch, Hk, G, L, D), dt), np.zeros((*batch, Hk, S, D), dt), np.zeros((*batch, Hk, S, Dv), dt)
             ds = np.zeros(p.scores_shape, dt) if bias is not None else None
@@ -536,10 +715,15 @@ def scaled_dot_product_attention_vjp(
             if factor is not None:
                 dw *= factor
             ds = w * (dw - (dw * w).sum(axis=-1, keepdims=True))  # the softmax's VJP
+            if var is not None:  # back through the score mod, ALiBi and the softcap
+                ds, d_biased = var.backward(ds, fwd.saved, fwd.grid, extras)
+            else:
+                d_biased = ds
             dq = (ds @ p.k) * dt.type(p.scale)  # (..., Hk, G, L, D)
             dk = (np.swapaxes(ds, -1, -2) @ p.q).sum(axis=-3) * dt.type(p.scale)  # (..., Hk, S, D)
+            ds = d_biased  # what the bias gets
         else:
-            dq, dk, dv, ds = _flash.tiled_attention_backward(p, out, lse, d_out, dropout_p=dropout_p, dropout_key=key_, workers=workers, want_bias=bias is not None)
+            dq, dk, dv, ds, extras = _flash.tiled_attention_backward(p, out, lse, d_out, dropout_p=dropout_p, dropout_key=key_, workers=workers, want_bias=bias is not None)
 
         def to_input(x, name):  # (*batch, H, X, Y) -> the input's own shape, in the result dtype
             heads_shape = (1, *shapes[name]) if len(shapes[name]) == 2 else shapes[name]
@@ -553,9 +737,9 @@ def scaled_dot_product_attention_vjp(
             if impl == "tiled" and not empty:  # summed to the prepared bias already, whose layout is the user's
                 d_bias = ds.reshape(bias_shape).astype(p.dtype, copy=False)
             else:
-                full = ds.reshape(p.scores_shape)  # (..., Hq, L, S)
+                full = np.broadcast_to(ds, (*batch, Hk, G, L, S)).reshape(p.scores_shape)  # (..., Hq, L, S)
                 d_bias = _sum_to(full[0] if p.unbatched else full, bias_shape).astype(p.dtype, copy=False)
-        return d_query, d_key, d_value, d_bias
+        return AttentionGrads(d_query, d_key, d_value, d_bias, **_variant_grads(p, out, d_out, lse, extras, empty))
 
     return output, vjp
 
@@ -569,14 +753,16 @@ def _check_direct_fits(p: _Problem, dropout: bool) -> None:
 
 
 @pytorch_names(**{k: TORCH_ATTENTION_NAMES[k] for k in ('attn_mask', 'key_padding_mask', 'enable_gqa')})
-def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = False, window=None, scale: float | None = None):
+def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = False, window=None, scale: float | None = None,
+                      score_mod=None, mask_mod=None, block_mask=None, softcap=None, sinks=None, alibi_slopes=None,
+                      cu_seqlens_q=None, cu_seqlens_k=None, query_seq_lengths=None, key_value_seq_lengths=None):  # fmt: skip
     """The attention weights alone: ``softmax(query @ key.T * scale + bias, where=mask)``.
 
     Parameters
     ----------
     query : array_like, shape (..., Hq, L, D) or (L, D)
     key : array_like, shape (..., Hk, S, D) or (S, D)
-    mask, bias, is_causal, window, scale
+    mask, bias, is_causal, window, scale, score_mod, mask_mod, block_mask, softcap, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, query_seq_lengths, key_value_seq_lengths
         As in :func:`scaled_dot_product_attention`.
 
     Returns
@@ -593,7 +779,7 @@ def attention_weights(query, key, *, mask=None, bias=None, is_causal: bool = Fal
     array([[0.5  , 0.5  , 0.   ],
            [0.333, 0.333, 0.333]])
     """
-    p = _prepare(query, key, None, mask, bias, is_causal, scale, window)
+    p = _prepare(query, key, None, mask, bias, is_causal, scale, window, **_variant_kw(locals()))
     if 0 in p.scores_shape:
         return np.zeros(p.scores_shape[1:] if p.unbatched else p.scores_shape, p.dtype)
     _check_direct_fits(p, False)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ._checks import as_array, check_int
 
-__all__ = ["KVCache", "LayerCache"]
+__all__ = ["KVCache", "LayerCache", "PagedKVCache", "gather_pages"]
 
 
 def __dir__():  # what dir() and tab completion list: the API, not the imports
@@ -225,3 +225,175 @@ class KVCache:
         if layer >= len(self.layers):
             raise ValueError(f"layer should be < {len(self.layers)}, got {layer}")
         return self.layers[layer].update(key, value)
+
+
+# ------------------------------------------------------------ paged caches
+
+
+def gather_pages(key_pages, value_pages, block_table, cache_seqlens=None):  # (P, Hk, page, D), (P, Hk, page, Dv), (B, n), (B,) -> (B, Hk, S, D), (B, Hk, S, Dv), (B,)
+    """The keys and values of each sequence of a paged cache, side by side: ``(B, Hk, S, D)``, padded.
+
+    Sequence ``b`` owns pages ``block_table[b, 0], block_table[b, 1], ...`` of
+    the pools, in that order; its first ``cache_seqlens[b]`` positions are its
+    keys (default: every page of its row). ``S`` is the longest; the returned
+    lengths say how much of each row is real (the rest is padding, never
+    attended: pass them on as ``key_value_seq_lengths``).
+
+    Every index is checked: a page number outside ``[0, num_pages)``
+    (negative ones included: they never wrap) or a length past a row's pages
+    is an error. Only the pages a sequence uses are read.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.cache import gather_pages
+    >>> pool = np.arange(4 * 1 * 2 * 1, dtype=float).reshape(4, 1, 2, 1)  # 4 pages of 2 positions
+    >>> k, v, n = gather_pages(pool, pool, [[2, 0], [3, 1]], [3, 4])
+    >>> k[0, 0, :, 0].tolist(), n.tolist()  # page 2 then page 0, 3 positions real
+    ([4.0, 5.0, 0.0, 0.0], [3, 4])
+    """
+    kp = as_array(key_pages, "key (pages)")
+    vp = as_array(value_pages, "value (pages)")
+    if kp.ndim != 4 or vp.ndim != 4 or kp.shape[:3] != vp.shape[:3]:
+        raise ValueError(f"with block_table, key and value should be page pools (num_pages, Hk, page_size, D) alike but in D, got key {kp.shape} and value {vp.shape}")
+    P, Hk, page, D = kp.shape
+    table = as_array(block_table, "block_table")
+    if table.ndim != 2 or (table.size and table.dtype.kind not in "iu"):
+        raise ValueError(f"block_table should be a (B, pages) array of page numbers, got shape {table.shape} dtype {table.dtype}")
+    table = table.astype(np.int64)
+    B, n = table.shape
+    if cache_seqlens is None:
+        lengths = np.full(B, n * page, np.int64)
+    else:
+        lengths = as_array(cache_seqlens, "cache_seqlens")
+        if lengths.shape != (B,) or (lengths.size and lengths.dtype.kind not in "iu"):
+            raise ValueError(f"cache_seqlens should be (B,) = ({B},) integers, one per row of block_table, got shape {lengths.shape} dtype {lengths.dtype}")
+        lengths = lengths.astype(np.int64)
+        if lengths.size and (lengths.min() < 0 or lengths.max() > n * page):
+            raise ValueError(f"cache_seqlens should lie in [0, {n * page}] (block_table's {n} pages of {page}), got {lengths.tolist()}")
+    used = -(-lengths // page)  # pages each sequence reads
+    S = int(lengths.max()) if B else 0
+    for b in range(B):
+        pages = table[b, : used[b]]
+        if pages.size and (pages.min() < 0 or pages.max() >= P):
+            bad = int(pages[(pages < 0) | (pages >= P)][0])
+            raise ValueError(f"block_table[{b}] holds page {bad}, outside the pool's pages [0, {P}) (negative pages are never wrapped)")
+    k = np.zeros((B, Hk, S, D), kp.dtype)
+    v = np.zeros((B, Hk, S, vp.shape[-1]), vp.dtype)
+    for b in range(B):
+        rows = table[b, : used[b]]
+        k[b, :, : lengths[b]] = kp[rows].transpose(1, 0, 2, 3).reshape(Hk, -1, D)[:, : lengths[b]]  # (Hk, pages * page, D)
+        v[b, :, : lengths[b]] = vp[rows].transpose(1, 0, 2, 3).reshape(Hk, -1, vp.shape[-1])[:, : lengths[b]]
+    return k, v, lengths
+
+
+class PagedKVCache:
+    """A key/value cache in fixed-size pages from one shared pool, as vLLM and FlashAttention's ``block_table`` keep it.
+
+    Sequences take pages as they grow and give them back when done, so the
+    pool serves many sequences of different lengths without one contiguous
+    buffer each. :meth:`update` appends keys of one sequence; :meth:`table`
+    gives the ``block_table`` and ``cache_seqlens`` that
+    :func:`qkv.scaled_dot_product_attention` reads the pools with.
+
+    Parameters
+    ----------
+    num_pages, page_size, num_kv_heads, head_dim : int
+    value_dim : int, optional
+        Default ``head_dim``.
+    dtype : default float32
+    order : {"sequential", "random"} or numpy.random.Generator
+        Which free page a sequence gets next: the lowest, or a random one
+        (seeded; tests use it to show that page order does not matter).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import PagedKVCache, scaled_dot_product_attention as sdpa
+    >>> rng = np.random.default_rng(0)
+    >>> cache = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=1, head_dim=8, dtype=np.float64)
+    >>> k, v = rng.standard_normal((2, 1, 10, 8))               # (Hk, S, D): 10 keys of one sequence
+    >>> seq = cache.add_sequence()
+    >>> cache.update(seq, k, v)
+    >>> table, lengths = cache.table([seq])
+    >>> q = rng.standard_normal((1, 1, 1, 8))                    # (B, H, L, D): one new query
+    >>> paged = sdpa(q, cache.keys, cache.values, block_table=table, cache_seqlens=lengths, is_causal=True)
+    >>> bool(np.allclose(paged, sdpa(q, k[None], v[None], is_causal=True)))
+    True
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *, value_dim: int | None = None, dtype=np.float32, order="sequential"):
+        P = check_int(num_pages, "num_pages", minimum=1)
+        self.page_size = check_int(page_size, "page_size", minimum=1)
+        Hk, D = check_int(num_kv_heads, "num_kv_heads", minimum=1), check_int(head_dim, "head_dim", minimum=1)
+        Dv = D if value_dim is None else check_int(value_dim, "value_dim", minimum=1)
+        self.keys = np.zeros((P, Hk, self.page_size, D), dtype)  # the pools
+        self.values = np.zeros((P, Hk, self.page_size, Dv), dtype)
+        if isinstance(order, np.random.Generator):
+            self._rng = order
+        elif order in ("sequential", "random"):
+            self._rng = np.random.default_rng(0) if order == "random" else None
+        else:
+            raise ValueError(f"order should be 'sequential', 'random' or a numpy.random.Generator, got {order!r}")
+        self._free = list(range(P))
+        self._pages: dict[int, list] = {}
+        self._lengths: dict[int, int] = {}
+        self._next = 0
+
+    def __repr__(self) -> str:
+        return f"PagedKVCache(pages={len(self.keys)}, page_size={self.page_size}, free={len(self._free)}, sequences={len(self._pages)})"
+
+    def add_sequence(self) -> int:
+        """A new, empty sequence; returns its id."""
+        sid = self._next
+        self._next += 1
+        self._pages[sid], self._lengths[sid] = [], 0
+        return sid
+
+    def _sequence(self, seq) -> int:
+        seq = check_int(seq, "seq", minimum=0)
+        if seq not in self._pages:
+            raise ValueError(f"seq {seq} is not a sequence of this cache (add_sequence() gives ids; freed ones are gone)")
+        return seq
+
+    def free(self, seq) -> None:
+        """Give a finished sequence's pages back to the pool."""
+        seq = self._sequence(seq)
+        self._free.extend(self._pages.pop(seq))
+        del self._lengths[seq]
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def length(self, seq) -> int:
+        """How many keys sequence ``seq`` holds."""
+        return self._lengths[self._sequence(seq)]
+
+    def update(self, seq, key, value) -> None:
+        """Append ``key`` (Hk, n, D) and ``value`` (Hk, n, Dv) to sequence ``seq``, taking pages as needed."""
+        seq = self._sequence(seq)
+        k, v = as_array(key, "key", min_ndim=3), as_array(value, "value", min_ndim=3)
+        Hk, D, Dv = self.keys.shape[1], self.keys.shape[3], self.values.shape[3]
+        if k.shape[0::2] != (Hk, D) or v.shape[0::2] != (Hk, Dv) or k.ndim != 3 or v.ndim != 3 or k.shape[1] != v.shape[1]:
+            raise ValueError(f"key and value should be (Hk, n, D) = ({Hk}, n, {D}) and ({Hk}, n, {Dv}), got {k.shape} and {v.shape}")
+        n, start, page = k.shape[1], self._lengths[seq], self.page_size
+        need = -(-(start + n) // page) - len(self._pages[seq])
+        if need > len(self._free):
+            raise MemoryError(f"the pool has {len(self._free)} free pages, sequence {seq} needs {need} more: free finished sequences or make a larger pool")
+        for _ in range(need):
+            i = 0 if self._rng is None else int(self._rng.integers(len(self._free)))
+            self._pages[seq].append(self._free.pop(i))
+        for t in range(n):  # position start + t lives in page (start + t) // page, slot (start + t) % page
+            p = self._pages[seq][(start + t) // page]
+            self.keys[p, :, (start + t) % page] = k[:, t]
+            self.values[p, :, (start + t) % page] = v[:, t]
+        self._lengths[seq] = start + n
+
+    def table(self, seqs) -> tuple[np.ndarray, np.ndarray]:
+        """``(block_table, cache_seqlens)`` for the sequences ``seqs``, in that order: (B, max pages), (B,)."""
+        seqs = [self._sequence(s) for s in seqs]
+        width = max([len(self._pages[s]) for s in seqs] + [1])
+        table = np.zeros((len(seqs), width), np.int64)
+        for i, s in enumerate(seqs):
+            table[i, : len(self._pages[s])] = self._pages[s]
+        return table, np.array([self._lengths[s] for s in seqs], np.int64)

@@ -160,7 +160,7 @@ _NO_SPAN = (np.zeros(1, np.intp), np.zeros(1, np.intp))
 _KERNELS = {"numpy": block_step, "numba": _compiled_step}
 
 
-def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None):  # (..., S), bool broadcastable or None -> (..., S) [, (...)]
+def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None, sinks=None):  # (..., S), bool broadcastable or None -> (..., S) [, (...)]
     """Softmax over the last axis as one block step over all the keys, then the division.
 
     The direct path's softmax, by the same kernel as the tiled path: with no
@@ -170,6 +170,11 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None)
     times faster than NumPy's separate passes). ``s`` is overwritten where
     it is contiguous; rows with nothing kept come out zero (log-sum-exp
     ``-inf``).
+
+    ``sinks`` (broadcastable to ``s.shape[:-1]``): each row's sink logit, a key
+    with no value that joins the softmax (gpt-oss): the row starts at shift
+    ``sink`` with sum 1, and the weights returned leave the sink's out (they sum
+    to less than 1; the log-sum-exp includes it).
     """
     name = check_kernel(KERNEL if kernel is None else kernel)
     shape, dt = s.shape, s.dtype
@@ -179,7 +184,14 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None)
     keep2 = None if keep is None else np.ascontiguousarray(np.broadcast_to(keep, shape)).reshape(s2.shape)
     m = np.full(len(s2), -np.inf, dt)  # no shift yet: the step takes each row's maximum
     total = np.zeros(len(s2), ACC)
-    if name == "numba":  # the same step, then the same division, in one compiled call
+    if sinks is not None:  # the sink is the first key every row has seen: shift sink, sum exp(0) = 1
+        m[:] = np.broadcast_to(sinks, shape[:-1]).reshape(-1)
+        total[:] = 1
+        s2 = np.ascontiguousarray(s2)
+        _KERNELS[name](s2, keep2, m, total, False)
+        with np.errstate(invalid="ignore"):
+            s2 /= total.astype(dt)[:, None]
+    elif name == "numba":  # the same step, then the same division, in one compiled call
         from ._compiled import softmax_rows
 
         s2 = np.ascontiguousarray(s2)  # the kernel's passes run over the block flat
@@ -339,22 +351,95 @@ def _dropout_block(key, dropout_p, keep_scale, dt, batch, bidx, Hq, hk, G, L, S,
     return np.where(dropout_keep(key, index, dropout_p), keep_scale, dt.type(0))
 
 
+#: Tile size of the block mask made for a mask mod when none is given (FlexAttention's 128 x 128).
+MOD_BLOCK = 128
+
+
+def tile_mask(p):
+    """The block mask the tiled path follows: the user's, or one made once from the mask mod (None: no mask mod)."""
+    var = p.variants
+    if var is None or var.mask_mod is None:
+        return None
+    if var.block_mask is None:
+        from .mods import create_block_mask
+
+        *batch, Hq, L, S = p.scores_shape
+        G = p.q.shape[-3]
+        var.block_mask = create_block_mask(var.mask_mod, int(np.prod(batch, dtype=np.int64)), Hq, L, S, block=(max(1, MOD_BLOCK // G), MOD_BLOCK))
+    return var.block_mask
+
+
+def _tile_kinds(bm, bflat: int, hk: int, G: int, qt: int) -> np.ndarray:
+    """The kinds of the key tiles a query tile of key/value head ``hk`` meets, over its G query heads: (nk,)."""
+    from .mods import EMPTY, FULL, PARTIAL
+
+    k = bm.kinds[0 if bm.kinds.shape[0] == 1 else bflat]  # (H or 1, nq, nk)
+    if k.shape[0] == 1:
+        return k[0, qt]
+    ks = k[hk * G : (hk + 1) * G, qt]  # (G, nk)
+    return np.where((ks == FULL).all(0), FULL, np.where((ks == EMPTY).all(0), EMPTY, PARTIAL))
+
+
+def _segments(kinds, bkv: int, lo: int, hi: int, width: int):  # -> [(j0, j1, [(c0, c1), ...])]
+    """Runs of key columns in [lo, hi) to compute together, at most ``width`` wide, skipping empty tiles.
+
+    ``kinds`` (the key tiles' kinds, or None: every tile full) come from a block mask
+    of tiles ``bkv`` keys wide; each run lists, relative to its start, the column
+    ranges of partial tiles (where the mask mod must be evaluated).
+    """
+    if kinds is None:
+        return [(j0, min(j0 + width, hi), []) for j0 in range(lo, hi, width)]
+    from .mods import EMPTY, PARTIAL
+
+    runs, cur = [], None
+    for t in range(lo // bkv, -(-hi // bkv)):
+        a, b = max(lo, t * bkv), min(hi, (t + 1) * bkv)
+        if kinds[t] == EMPTY or a >= b:
+            cur = None
+            continue
+        if cur is None or b - cur[0] > width:
+            cur = [a, a, []]
+            runs.append(cur)
+        cur[1] = b
+        if kinds[t] == PARTIAL:
+            cur[2].append((a - cur[0], b - cur[0]))
+    return [tuple(r) for r in runs]
+
+
+def _mod_keep(var, idx, G, n, m, partial):
+    """The mask mod's (G, n, m) keep-mask of a run: evaluated on its partial tiles only (full ones are True)."""
+    if not partial:
+        return None
+    keep = np.ones((G, n, m), bool)
+    b, h, q, kv = idx
+    for c0, c1 in partial:
+        keep[:, :, c0:c1] = var.keep((b, h, q, kv[c0:c1]), (G, n, c1 - c0))
+    return keep
+
+
 def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int | None = None, block_q: int | None = None, block_k: int | None = None, kernel: str | None = None):
     """Attention of a prepared problem (see ``qkv.attention._prepare``) by key blocks.
 
     ``kernel`` picks the block step ("numpy" or "numba"; default ``KERNEL``).
+    With variants (``p.variants``: softcap, ALiBi, a score mod, a mask mod,
+    sinks), each tile's scores go through :meth:`qkv.variants.Variants.scores_`
+    before the step, and a mask mod's block mask decides which key tiles a
+    query tile visits: empty ones are skipped, full ones need no mask.
 
     Returns
     -------
     out : ndarray, (..., Hk, G, L, Dv) in the compute dtype
-    lse : ndarray, (..., Hk, G, L), natural log-sum-exp of each row's scores
+    lse : ndarray, (..., Hk, G, L), natural log-sum-exp of each row's scores (and sink)
     """
     workers = check_workers(workers)
     step = _KERNELS[check_kernel(KERNEL if kernel is None else kernel)]
     q, k, v = p.q, p.k, p.v  # (..., Hk, G, L, D), (..., Hk, 1, S, D), (..., Hk, 1, S, Dv)
     dt = q.dtype
     *_, Hk, G, L, D = q.shape
-    bq, bk = max(1, (block_q or BLOCK_Q) // G), block_k or BLOCK_K
+    var = p.variants
+    bm = tile_mask(p)
+    bq = bm.block_q if bm is not None else max(1, (block_q or BLOCK_Q) // G)
+    bk = block_k or BLOCK_K
     S, Dv = k.shape[-2], v.shape[-1]
     batch = p.scores_shape[:-3]
     Hq = Hk * G
@@ -375,7 +460,8 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     mask, bias = p.mask, p.bias  # broadcastable to (..., Hk, G, L, S)
     # With a bias the shift is subtracted after it, not folded into the matmul: a large bias
     # (-1e9 padding, long ALiBi) would otherwise set a shift so large that q.k - shift loses q.k.
-    fold = bias is None
+    # Softcap and score mods change the product before the softmax: nothing can be folded into it.
+    fold = bias is None and (var is None or not var.changes_scores)
 
     nd, nb = len(batch) + 4, len(batch)  # (..., Hk, G, L, S) and its batch dims
 
@@ -383,25 +469,33 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
         i1 = min(i0 + bq, L)
         n = i1 - i0
         rows = G * n
+        bflat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
         lo, hi = _visible_range(i0, i1, offset, window, S)
         qb = q[_batch_index(bidx, q.shape[:-4]) + (hk, slice(None), slice(i0, i1))]  # (G, n, D)
         kx = k_ext[_batch_index(bidx, kv_batch) + (hk,)]  # (S, D + 1)
         vx = v_all[_batch_index(bidx, kv_batch) + (hk,)]  # (S, Dv)
         qx = scratch("qx", (rows, D + 1), dt)
         np.multiply(qb.reshape(rows, D), scale, out=qx[:, :D])
-        qx[:, D] = 0
-        m = np.full(rows, -np.inf, dt)  # the shift applied so far (-inf: none yet)
+        sink = None if var is None else var.sink_rows(bidx, hk, n)
+        # The shift applied so far (-inf: none yet), and the running sum of exp(s - m); a sink
+        # is a key with no value: it starts the row, at shift sink and sum 1.
+        m = np.full(rows, -np.inf, dt) if sink is None else sink.astype(dt)
+        total = np.zeros(rows, ACC) if sink is None else np.ones(rows, ACC)
+        qx[:, D] = -m if fold and sink is not None else 0  # folded: the product subtracts the shift
         acc = scratch("acc", (rows, Dv), ACC)
         acc[:] = 0
-        total = np.zeros(rows, ACC)  # running sum of exp(s - m)
         tmp = scratch("tmp", (rows, Dv), dt)
-        for j0 in range(lo, hi, bk):
+        kinds = None if bm is None else _tile_kinds(bm, bflat, hk, G, i0 // bq)
+        for j0, j1, partial in _segments(kinds, 1 if bm is None else bm.block_kv, lo, hi, bk):
             if interrupted():
                 return
-            j1 = min(j0 + bk, hi)
             keep = _visible_keep(mask, None, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)  # the mask's part
             if keep is False:
                 continue
+            idx = None if var is None else var.tile(bflat, hk, G, i0, i1, j0, j1)
+            mod = None if var is None else _mod_keep(var, idx, G, n, j1 - j0, partial)
+            if mod is not None:
+                keep = mod if keep is None else keep & mod
             # The window's part: where it shows the block only in part, each row's span of keys
             # (the step reads nothing else), and the products in slices over the keys they may see.
             span, pieces = None, [(slice(None), n, 0, j1 - j0)]
@@ -416,8 +510,14 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                 s[r, :c0] = 0  # keys the slice may not see: not computed, and the span hides them from
                 s[r, c1:] = 0  # the step; zeros, not the scratch's old values, for a bias to be added to
             s3 = s.reshape(G, n, j1 - j0)
-            if not fold:
-                s3 += _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)  # raw scores: the shift comes off in the step, once
+            if not fold:  # raw scores: the variants act on them, and the shift comes off in the step, once
+                blk = None if bias is None else _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)
+                if var is None:
+                    s3 += blk
+                else:
+                    res, _ = var.scores_(s3, idx, blk, hk=hk)
+                    if res is not s3:
+                        s3[...] = res
             if keep is not None:
                 keep = np.broadcast_to(keep, s3.shape).reshape(rows, j1 - j0)
             moved, factor = step(s, keep, m, total, fold, span)  # s <- exp(s - shift); m, total updated
@@ -456,10 +556,14 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
 
     Nothing of size ``L x S`` was kept by the forward; each block's weights
     are recomputed from the log-sum-exp, ``P = exp(s - lse)``, and with
-    ``delta = rowsum(dO * O)`` (which equals ``rowsum(P * dP)``)::
+    ``delta = rowsum(dO * O)`` (which equals ``rowsum(P * dP)``, a sink
+    included, since a sink has no value)::
 
         dV += P.T @ dO        dP = dO @ V.T        dS = P * (dP - delta)
         dQ += dS @ K * scale  dK += dS.T @ Q * scale
+
+    with ``dS`` taken back through the score mod, ALiBi and the softcap
+    (:meth:`qkv.variants.Variants.backward`) before the two products.
 
     Parameters
     ----------
@@ -476,6 +580,9 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
     d_query : ndarray, (..., Hk, G, L, D)
     d_key, d_value : ndarray, (..., Hk, S, D), (..., Hk, S, Dv)
     d_bias : ndarray of ``p.bias``'s shape, or None
+    extras : dict
+        ``"alibi"``: (..., Hk, G) float64 gradient of the slopes as prepared; ``"score_mod"``: the
+        score mod's parameter gradients (float64), when there are any.
     """
     workers = check_workers(workers)
     q, k, v = p.q, p.k, p.v
@@ -484,7 +591,10 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
     S, Dv = k.shape[-2], v.shape[-1]
     batch = p.scores_shape[:-3]
     Hq, offset, window = Hk * G, S - L, p.window
-    bq, bk = max(1, (block_q or BLOCK_Q) // G), block_k or BLOCK_K
+    var = p.variants
+    bm = tile_mask(p)
+    bq = bm.block_q if bm is not None else max(1, (block_q or BLOCK_Q) // G)
+    bk = block_k or BLOCK_K
     scale = dt.type(p.scale)
     keep_scale = dt.type(0 if dropout_p >= 1 else 1 / (1 - dropout_p))
     nd, nb = len(batch) + 4, len(batch)
@@ -496,14 +606,19 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
     dv = np.zeros((*batch, Hk, S, Dv), dt)
     mask, bias = p.mask, p.bias
     d_bias = np.zeros(bias.shape, dt) if want_bias and bias is not None else None
-    bias_lock = threading.Lock()  # a broadcast bias is shared by several (batch, head) work items
+    extras = {}
+    if var is not None and var.alibi is not None:
+        extras["alibi"] = np.zeros((*batch, Hk, G), np.float64)
+    lock = threading.Lock()  # a broadcast bias, and the variants' parameters, are shared by the work items
 
     def work(bidx, hk):
         qi = _batch_index(bidx, q.shape[:-4]) + (hk,)
         kvi = _batch_index(bidx, k.shape[:-4]) + (hk, 0)
         vvi = _batch_index(bidx, v.shape[:-4]) + (hk, 0)
+        bflat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
         kb_all, vb_all = k[kvi], v[vvi]  # (S, D), (S, Dv)
         dk_h, dv_h = dk[bidx + (hk,)], dv[bidx + (hk,)]  # this work item's own rows: no lock
+        grads = {}  # the variants' parameter gradients of this work item, summed into extras at the end
         for i0 in range(0, L, bq):
             i1 = min(i0 + bq, L)
             n = i1 - i0
@@ -515,18 +630,28 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
             lse_b = lse_safe[bidx + (hk, slice(None), slice(i0, i1))].reshape(rows, 1)
             delta_b = delta[bidx + (hk, slice(None), slice(i0, i1))].reshape(rows, 1)
             dq_b = np.zeros((rows, D), dt)
-            for j0 in range(lo, hi, bk):
+            kinds = None if bm is None else _tile_kinds(bm, bflat, hk, G, i0 // bq)
+            for j0, j1, partial in _segments(kinds, 1 if bm is None else bm.block_kv, lo, hi, bk):
                 if interrupted():
                     return
-                j1 = min(j0 + bk, hi)
                 keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset, bands)
                 if keep is False:
                     continue
+                idx = None if var is None else var.tile(bflat, hk, G, i0, i1, j0, j1)
+                mod = None if var is None else _mod_keep(var, idx, G, n, j1 - j0, partial)
+                if mod is not None:
+                    keep = mod if keep is None else keep & mod
                 kb, vb = kb_all[j0:j1], vb_all[j0:j1]
                 s = qs @ kb.T  # (rows, cols)
                 s3 = s.reshape(G, n, j1 - j0)
-                if bias is not None:
-                    s3 += _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)
+                blk = None if bias is None else _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)
+                saved = None
+                if var is not None:
+                    res, saved = var.scores_(s3, idx, blk, hk=hk, save=True)
+                    if res is not s3:
+                        s3[...] = res
+                elif blk is not None:
+                    s3 += blk
                 if keep is not None:
                     np.copyto(s3, -np.inf, where=~np.broadcast_to(keep, s3.shape))
                 s -= lse_b
@@ -540,16 +665,32 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
                     dp = dob @ vb.T
                 dp -= delta_b
                 ds = np.multiply(w, dp, out=dp)  # dS = P * (dP - delta)
+                d_biased = ds
+                if var is not None:
+                    g = {}
+                    ds3, d_biased = var.backward(ds.reshape(G, n, j1 - j0), saved, idx, g)
+                    ds, d_biased = ds3.reshape(rows, j1 - j0), d_biased.reshape(rows, j1 - j0)
+                    if "alibi" in g:
+                        grads["alibi"] = grads.get("alibi", 0) + g["alibi"]  # (G,)
+                    for name, arr in g.get("score_mod", {}).items():
+                        mine = grads.setdefault("score_mod", {})
+                        mine[name] = mine.get(name, 0) + arr
                 dq_b += ds @ kb
                 dk_h[j0:j1] += ds.T @ qb
                 if d_bias is not None:
                     target = _block_index(d_bias, nd, nb, bidx, hk, i0, i1, j0, j1)
-                    ds3 = ds.reshape(G, n, j1 - j0)
+                    ds3 = d_biased.reshape(G, n, j1 - j0)
                     axes = tuple(a for a in range(3) if target.shape[a] == 1 and ds3.shape[a] != 1)
-                    with bias_lock:
+                    with lock:
                         target += ds3.sum(axis=axes, keepdims=True) if axes else ds3
             dq[bidx + (hk, slice(None), slice(i0, i1))] = (dq_b * scale).reshape(G, n, D)
         dk_h *= scale
+        with lock:
+            if "alibi" in grads:
+                extras["alibi"][bidx + (hk,)] += grads["alibi"]
+            for name, arr in grads.get("score_mod", {}).items():
+                mine = extras.setdefault("score_mod", {})
+                mine[name] = mine.get(name, 0) + arr
 
     run_all([lambda b=b, h=h: work(b, h) for b in np.ndindex(*batch) for h in range(Hk)], workers)
-    return dq, dk, dv, d_bias
+    return dq, dk, dv, d_bias, extras

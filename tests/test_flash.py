@@ -165,6 +165,7 @@ def test_partly_visible_blocks_skip_their_hidden_corner(monkeypatch, window):
 
     product = flash.score_product
     monkeypatch.setattr(flash, "score_product", counting)
+    monkeypatch.setattr(flash, "COMPILED_ITEMS", False)  # the Python loop, whose products can be counted (the compiled items: same pieces)
     monkeypatch.setattr(flash, "EDGE_ROWS", 64)  # six slices of a 384-row block
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((1, 1000, 8)) for _ in range(3))
@@ -304,3 +305,29 @@ def test_step_softmax_is_qkv_softmax(kernel, dtype, keys):
     np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)
     assert (w[0] == 0).all() and (lse[0] == -np.inf).all()  # nothing kept: zeros, no NaN
     assert np.isnan(w[1, 2]).all() and np.isnan(w[2, 3]).any()  # NaN and +inf flow on, as in torch
+
+
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("window", [None, (None, 0), (40, 0), (17, 9), (None, 5)])
+def test_compiled_work_items_equal_the_python_loop(monkeypatch, kernel, window, G):
+    """qkv._compiled.attend_rows runs a plain work item without the interpreter when the step is numba's:
+    the same pieces and step as the Python loop, the products by numba's BLAS calls (the same numbers to
+    rounding). With NumPy's step the Python loop runs."""
+    monkeypatch.setattr(flash, "EDGE_ROWS", 24)
+    rng = np.random.default_rng(G)
+    calls = []
+    real = flash._attend_compiled
+    monkeypatch.setattr(flash, "_attend_compiled", lambda *a: (calls.append(1), real(*a)))
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 2e-6)):
+        q = rng.standard_normal((2, 2 * G, 150, 16)).astype(dtype)
+        k, v = (rng.standard_normal((2, 2, 170, 16)).astype(dtype) for _ in range(2))
+        sinks = rng.standard_normal(2 * G)
+        calls.clear()
+        got, lse = sdpa(q, k, v, window=window, sinks=sinks, implementation="tiled", return_lse=True)
+        assert bool(calls) == (kernel == "numba")
+        monkeypatch.setattr(flash, "COMPILED_ITEMS", False)
+        want, want_lse = sdpa(q, k, v, window=window, sinks=sinks, implementation="tiled", return_lse=True)
+        monkeypatch.setattr(flash, "COMPILED_ITEMS", True)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+        np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)

@@ -346,6 +346,9 @@ def test_skipped_tiles_are_never_computed_and_full_tiles_never_masked(monkeypatc
 
     product = flash.score_product
     monkeypatch.setattr(flash, "score_product", counting)
+    compiled = flash._attend_compiled  # whole work items in compiled code: count the keys they are given
+    monkeypatch.setattr(flash, "_attend_compiled", lambda qx, kx, vx, m, total, acc, segments, i0, n, G, *rest: (
+        seen.append(G * n * sum(j1 - j0 for j0, j1, _ in segments)), compiled(qx, kx, vx, m, total, acc, segments, i0, n, G, *rest)))
     doc = np.repeat(np.arange(8), 64)  # 8 documents of 64 tokens: 8 of 64 tiles visible
     document = mods.document(doc)
 

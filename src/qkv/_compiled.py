@@ -39,7 +39,7 @@ from numba import njit, types
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
-__all__ = ["block_step", "softmax_rows", "exp_into", "activation_", "layer_norm_"]
+__all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "layer_norm_"]
 
 _INF = math.inf
 
@@ -251,6 +251,85 @@ def block_step(s, sbits, keep, use_keep, lo, hi, use_span, m, total, factor, fol
         else:  # NaN or +inf in the row: the scalar exp, whose NaN and inf the output must show
             total[i] += _scalar_exp_sum(row, sub, row)
     return moved, grew
+
+
+@njit(cache=True, nogil=True)
+def attend_rows(qx, kx, vx, m, total, acc, seg_j0, seg_j1, i0, n, G, offset, left, right, edge_rows, tau, sbuf, tmp, factor, ys, bits, lo, hi):
+    """One work item of the tiled path in compiled code: ``n`` query positions (x ``G`` heads) over the
+    key segments [seg_j0[t], seg_j1[t]), with no mask and the shift folded into the product.
+
+    The same arithmetic as the Python loop of ``qkv.flash.tiled_attention`` (the same pieces, the
+    same step, the products by the same BLAS, through numba's ``np.dot``), without the interpreter:
+    nothing holds the GIL, so two threads run two work items side by side. A window (``left``,
+    ``right`` >= 0; -1 = unlimited) shows a block in part: each row then sees its span of keys, and
+    blocks of more than ``edge_rows`` positions are computed in slices over the keys they may see.
+
+    qx (G n, D + 1) scaled queries with the fold column; kx (S, D + 1) keys with a column of ones;
+    vx (S, Dv); m, total (G n,); acc (G n, Dv) float64; sbuf, tmp flat scratch of the compute dtype,
+    large enough for a (G n, max segment) block and (G n, Dv); factor (G n,); ys, bits the step's
+    row scratch (max segment,); lo, hi (G n,) integer scratch.
+    """
+    rows = G * n
+    D = qx.shape[1] - 1
+    Dv = vx.shape[1]
+    dt = qx.dtype.type
+    dummy_keep = np.ones((1, 1), np.bool_)
+    factors = bits.view(qx.dtype)
+    for t in range(seg_j0.shape[0]):
+        j0, j1 = seg_j0[t], seg_j1[t]
+        C = j1 - j0
+        # Is the block fully visible under the window? (qkv.flash._block_full)
+        full = (right < 0 or j1 - 1 <= i0 + offset + right) and (left < 0 or j0 >= i0 + n - 1 + offset - left)
+        if not full:  # each position's visible keys [lo, hi) relative to j0 (qkv.flash._block_span)
+            for a in range(n):
+                p = i0 + a + offset - j0
+                l = 0 if left < 0 else min(max(p - left, 0), C)
+                h = C if right < 0 else min(max(p + right + 1, 0), C)
+                for g in range(G):
+                    lo[g * n + a] = l
+                    hi[g * n + a] = max(h, l)
+        sliced = (not full) and n > edge_rows
+        step_rows = edge_rows if sliced else n
+        for g in range(G if sliced else 1):
+            for a0 in range(0, n, step_rows):
+                if sliced:
+                    r0, r1 = g * n + a0, g * n + min(a0 + step_rows, n)
+                    c0, c1 = C, 0
+                    for r in range(r0, r1):
+                        c0 = min(c0, lo[r])
+                        c1 = max(c1, hi[r])
+                    c1 = max(c1, c0)
+                else:
+                    r0, r1, c0, c1 = 0, rows, 0, C
+                w = c1 - c0
+                if w <= 0:
+                    continue
+                nr = r1 - r0
+                sblk = sbuf[: nr * w].reshape(nr, w)
+                np.dot(qx[r0:r1], kx[j0 + c0 : j0 + c1].T, sblk)  # scores * scale - m
+                if full:
+                    moved, grew = block_step(sblk, _as_ints(sblk), dummy_keep, False, lo, hi, False, m[r0:r1], total[r0:r1], factor[r0:r1], True, tau, ys, bits, factors)
+                else:
+                    for r in range(r0, r1):  # spans relative to the piece
+                        lo[r] -= c0
+                        hi[r] -= c0
+                    moved, grew = block_step(sblk, _as_ints(sblk), dummy_keep, False, lo[r0:r1], hi[r0:r1], True, m[r0:r1], total[r0:r1], factor[r0:r1], True, tau, ys, bits, factors)
+                    for r in range(r0, r1):
+                        lo[r] += c0
+                        hi[r] += c0
+                if grew:
+                    for r in range(r0, r1):
+                        f = factor[r]
+                        for d in range(Dv):
+                            acc[r, d] *= f
+                if moved:
+                    for r in range(r0, r1):
+                        qx[r, D] = -m[r] if np.isfinite(m[r]) else dt(0)
+                tblk = tmp[: nr * Dv].reshape(nr, Dv)
+                np.dot(sblk, vx[j0 + c0 : j0 + c1], tblk)
+                for r in range(nr):
+                    for d in range(Dv):
+                        acc[r0 + r, d] += tblk[r, d]
 
 
 def _as_ints(a):  # pragma: no cover - a stub: numba compiles the overload below in its place

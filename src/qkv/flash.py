@@ -290,26 +290,28 @@ def _block_span(i0, i1, j0, j1, offset, window, G):  # -> (G n,), (G n,)
     left, right = window
     C = j1 - j0
     a = np.arange(i0, i1) + offset - j0  # each query position on the block's key axis
-    lo = np.zeros(i1 - i0, np.intp) if left is None else np.clip(a - left, 0, C)
-    hi = np.full(i1 - i0, C, np.intp) if right is None else np.clip(a + right + 1, 0, C)
+    # np.minimum/np.maximum rather than np.clip: the same numbers, a fraction of the call's cost
+    lo = np.zeros(i1 - i0, np.intp) if left is None else np.minimum(np.maximum(a - left, 0), C)
+    hi = np.full(i1 - i0, C, np.intp) if right is None else np.minimum(np.maximum(a + right + 1, 0), C)
     return np.tile(lo, G), np.tile(np.maximum(hi, lo), G)
 
 
-def _pieces(span, n: int, G: int):  # ((G n,), (G n,)) -> [(rows, positions, c0, c1)]
+def _pieces(span, n: int, G: int):  # ((G n,), (G n,)) -> [(rows, heads, a0, a1, c0, c1)]
     """A block the window shows in part, in slices of ``EDGE_ROWS`` query positions.
 
-    Each piece is (rows, positions, c0, c1): ``rows`` a slice of the block's (G x n)
-    rows, holding ``positions`` query positions of one head, and [c0, c1) the keys
-    any of them may see (from the rows' ``span``). The two products skip the rest,
-    about half of a diagonal block.
+    Each piece is (rows, heads, a0, a1, c0, c1): ``rows`` a slice of the block's
+    (G x n) rows, holding query positions [a0, a1) of the head(s) ``heads`` (a
+    slice of the G), and [c0, c1) the keys any of them may see (from the rows'
+    ``span``). The two products skip the rest, about half of a diagonal block.
     """
     lo, hi = span
     pieces = []
     for g in range(G):  # a slice of positions is one run of rows in each query head of the group
         for a0 in range(0, n, EDGE_ROWS):
-            r = slice(g * n + a0, g * n + min(a0 + EDGE_ROWS, n))
+            a1 = min(a0 + EDGE_ROWS, n)
+            r = slice(g * n + a0, g * n + a1)
             c0 = int(lo[r].min())
-            pieces.append((r, r.stop - r.start, c0, max(int(hi[r].max()), c0)))
+            pieces.append((r, slice(g, g + 1), a0, a1, c0, max(int(hi[r].max()), c0)))
     return pieces
 
 
@@ -380,6 +382,22 @@ def _tile_kinds(bm, bflat: int, hk: int, G: int, qt: int) -> np.ndarray:
     return np.where((ks == FULL).all(0), FULL, np.where((ks == EMPTY).all(0), EMPTY, PARTIAL))
 
 
+def _query_blocks(bm, L: int, tile: int, most: int) -> list:  # -> [(i0, i1)]
+    """The query rows of the work items: blocks of ``tile`` rows, or, under a block mask, runs of its
+    query tiles whose key tiles are alike in every batch and head (documents: every tile of a
+    document), up to ``most`` rows, so that the products stay large."""
+    if bm is None:
+        return [(i0, min(i0 + tile, L)) for i0 in range(0, L, tile)]
+    kinds = bm.kinds  # (B or 1, H or 1, nq, nk)
+    out, start = [], 0
+    for t in range(1, -(-L // tile) + 1):
+        end = min(t * tile, L)
+        if t * tile >= L or end - start + tile > most or not np.array_equal(kinds[:, :, t], kinds[:, :, start // tile]):
+            out.append((start, end))
+            start = end
+    return out
+
+
 def _segments(kinds, bkv: int, lo: int, hi: int, width: int):  # -> [(j0, j1, [(c0, c1), ...])]
     """Runs of key columns in [lo, hi) to compute together, at most ``width`` wide, skipping empty tiles.
 
@@ -404,6 +422,23 @@ def _segments(kinds, bkv: int, lo: int, hi: int, width: int):  # -> [(j0, j1, [(
         if kinds[t] == PARTIAL:
             cur[2].append((a - cur[0], b - cur[0]))
     return [tuple(r) for r in runs]
+
+
+#: Run whole plain work items (no mask, no bias, no variants, no dropout) as one compiled call; False: the Python loop.
+COMPILED_ITEMS = True
+
+
+def _attend_compiled(qx, kx, vx, m, total, acc, segments, i0, n, G, offset, window, rows, Dv, dt):
+    """A plain work item by ``qkv._compiled.attend_rows`` (see ``tiled_attention``)."""
+    from ._compiled import attend_rows
+
+    width = max(j1 - j0 for j0, j1, _ in segments) if segments else 1
+    left, right = (-1, -1) if window is None else (-1 if window[0] is None else window[0], -1 if window[1] is None else window[1])
+    ints = np.int32 if dt == np.float32 else np.int64
+    seg = np.array([(j0, j1) for j0, j1, _ in segments], np.int64).reshape(-1, 2)
+    attend_rows(qx, kx, vx, m, total, acc, seg[:, 0].copy(), seg[:, 1].copy(), i0, n, G, offset, left, right, EDGE_ROWS, dt.type(TAU),
+                scratch("s", (rows * width,), dt), scratch("tmp_c", (rows * Dv,), dt), scratch("factor", (rows,), dt),
+                scratch("ys", (width,), dt), scratch("bits", (width,), ints), scratch("lo", (rows,), np.int64), scratch("hi", (rows,), np.int64))  # fmt: skip
 
 
 def _mod_keep(var, idx, G, n, m, partial):
@@ -464,9 +499,11 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     fold = bias is None and (var is None or not var.changes_scores)
 
     nd, nb = len(batch) + 4, len(batch)  # (..., Hk, G, L, S) and its batch dims
+    # Work items with no mask to read and nothing between the product and the step run as one
+    # compiled call (qkv._compiled.attend_rows) when the step is numba's: the same pieces and numbers.
+    compiled = step is _compiled_step and fold and mask is None and not dropout_p and COMPILED_ITEMS
 
-    def work(bidx, hk, i0):
-        i1 = min(i0 + bq, L)
+    def work(bidx, hk, i0, i1):
         n = i1 - i0
         rows = G * n
         bflat = int(np.ravel_multi_index(bidx, batch)) if batch else 0
@@ -485,8 +522,12 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
         acc = scratch("acc", (rows, Dv), ACC)
         acc[:] = 0
         tmp = scratch("tmp", (rows, Dv), dt)
-        kinds = None if bm is None else _tile_kinds(bm, bflat, hk, G, i0 // bq)
-        for j0, j1, partial in _segments(kinds, 1 if bm is None else bm.block_kv, lo, hi, bk):
+        kinds = None if bm is None else _tile_kinds(bm, bflat, hk, G, i0 // bq)  # alike for every tile of the block
+        segments = _segments(kinds, 1 if bm is None else bm.block_kv, lo, hi, bk)
+        if compiled and not any(partial for _, _, partial in segments):  # the whole item in compiled code, no GIL held
+            _attend_compiled(qx, kx, vx, m, total, acc, segments, i0, n, G, offset, window, rows, Dv, dt)
+            segments = []
+        for j0, j1, partial in segments:
             if interrupted():
                 return
             keep = _visible_keep(mask, None, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)  # the mask's part
@@ -498,39 +539,46 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                 keep = mod if keep is None else keep & mod
             # The window's part: where it shows the block only in part, each row's span of keys
             # (the step reads nothing else), and the products in slices over the keys they may see.
-            span, pieces = None, [(slice(None), n, 0, j1 - j0)]
+            span = None
+            pieces = [(slice(None), slice(None), 0, n, 0, j1 - j0)]  # the whole block: every head, row and key
             if window is not None and not _block_full(i0, i1, j0, j1, offset, window):
                 span = _block_span(i0, i1, j0, j1, offset, window, G)
                 if n > EDGE_ROWS:
                     pieces = _pieces(span, n, G)
-            s = scratch("s", (rows, j1 - j0), dt)
-            for r, positions, c0, c1 in pieces:
-                if c1 > c0:
-                    score_product(qx[r], kx[j0 + c0 : j0 + c1].T, positions, out=s[r, c0:c1])  # scores * scale (- m when folded)
-                s[r, :c0] = 0  # keys the slice may not see: not computed, and the span hides them from
-                s[r, c1:] = 0  # the step; zeros, not the scratch's old values, for a bias to be added to
-            s3 = s.reshape(G, n, j1 - j0)
-            if not fold:  # raw scores: the variants act on them, and the shift comes off in the step, once
-                blk = None if bias is None else _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)
-                if var is None:
-                    s3 += blk
-                else:
-                    res, _ = var.scores_(s3, idx, blk, hk=hk)
-                    if res is not s3:
-                        s3[...] = res
+            blk = None if fold or bias is None else _block_of(bias, nd, nb, G, bidx, hk, i0, i1, j0, j1)
+            drop = None if not dropout_p else _dropout_block(dropout_key, dropout_p, keep_scale, dt, batch, bidx, Hq, hk, G, L, S, i0, i1, j0, j1)
             if keep is not None:
-                keep = np.broadcast_to(keep, s3.shape).reshape(rows, j1 - j0)
-            moved, factor = step(s, keep, m, total, fold, span)  # s <- exp(s - shift); m, total updated
-            if factor is not None:
-                acc *= factor[:, None]
-            if moved and fold:
-                qx[:, D] = -np.where(np.isfinite(m), m, 0)
-            if dropout_p:
-                s3 *= _dropout_block(dropout_key, dropout_p, keep_scale, dt, batch, bidx, Hq, hk, G, L, S, i0, i1, j0, j1)
-            for r, _, c0, c1 in pieces:
-                for a in range(c0, c1, VALUE_CHUNK):
-                    e = min(a + VALUE_CHUNK, c1)
-                    np.matmul(s[r, a:e], vx[j0 + a : j0 + e], out=tmp[r])
+                keep = np.broadcast_to(keep, (G, n, j1 - j0))
+            for r, heads, a0, a1, c0, c1 in pieces:
+                if c1 <= c0:
+                    continue
+                w = c1 - c0
+                part = (heads, slice(a0, a1), slice(c0, c1))  # this piece of the (G, n, m) block
+                # Each piece's scores in a buffer of their own, contiguous: BLAS writes them in place.
+                s = scratch("s", (len(qx[r]), w), dt)
+                score_product(qx[r], kx[j0 + c0 : j0 + c1].T, a1 - a0, out=s)  # scores * scale (- m when folded)
+                s3 = s.reshape(-1, a1 - a0, w)
+                if not fold:  # raw scores: the variants act on them, and the shift comes off in the step, once
+                    b_part = None if blk is None else blk[part]
+                    if var is None:
+                        s3 += b_part
+                    else:
+                        b, h, qi, kv = idx
+                        res, _ = var.scores_(s3, (b, h[heads], qi[a0:a1], kv[c0:c1]), b_part, hk=hk)
+                        if res is not s3:
+                            s3[...] = res
+                k_part = None if keep is None else keep[part].reshape(s.shape)
+                sp = None if span is None else (span[0][r] - c0, span[1][r] - c0)  # within [0, w]: the piece covers every row's span
+                moved, factor = step(s, k_part, m[r], total[r], fold, sp)  # s <- exp(s - shift); m, total updated
+                if factor is not None:
+                    acc[r] *= factor[:, None]
+                if moved and fold:
+                    qx[r, D] = -np.where(np.isfinite(m[r]), m[r], 0)
+                if drop is not None:
+                    s3 *= drop[part]
+                for a in range(0, w, VALUE_CHUNK):
+                    e = min(a + VALUE_CHUNK, w)
+                    np.matmul(s[:, a:e], vx[j0 + c0 + a : j0 + c0 + e], out=tmp[r])
                     acc[r] += tmp[r]
         nan = np.isnan(total)
         seen = (total > 0) | nan
@@ -545,8 +593,9 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
 
     # Heaviest first (most visible keys): under a causal mask the last query blocks see the most
     # keys, and started last they would leave a worker idle at the end (longest-job-first).
-    starts = sorted(range(0, L, bq), key=lambda i: -np.subtract(*_visible_range(i, min(i + bq, L), offset, window, S)[::-1]))
-    tasks = [lambda b=b, h=h, i=i: work(b, h, i) for b in np.ndindex(*batch) for h in range(Hk) for i in starts]
+    blocks = _query_blocks(bm, L, bq, max(1, (block_q or BLOCK_Q) // G))
+    blocks.sort(key=lambda ij: -np.subtract(*_visible_range(*ij, offset, window, S)[::-1]))
+    tasks = [lambda b=b, h=h, ij=ij: work(b, h, *ij) for b in np.ndindex(*batch) for h in range(Hk) for ij in blocks]
     run_all(tasks, workers)
     return out, lse
 

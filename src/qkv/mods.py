@@ -209,6 +209,7 @@ def and_masks(*mask_mods):
         return np.ones((), bool) if out is None else out
 
     both.__name__ = "and_masks(" + ", ".join(_name(m) for m in mask_mods) + ")"
+    both.parts = tuple(p for m in mask_mods for p in getattr(m, "parts", (m,)))  # qkv reads causal and window parts as limits
     return both
 
 
@@ -246,13 +247,16 @@ def causal(offset: int = 0):
 
     ``offset=0`` is top-left aligned (FlexAttention's and PyTorch's
     ``is_causal``); ``offset=S - L`` is qkv's and FlashAttention's
-    bottom-right ``is_causal=True``.
+    bottom-right ``is_causal=True``. With that offset, attention takes it
+    (alone or inside :func:`and_masks`) as ``is_causal=True``: the tiled path's
+    row spans instead of mask evaluations.
     """
     offset = check_int(offset, "offset")
 
     def causal_mask(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + offset
 
+    causal_mask.limits = (None, 0, offset)  # (left, right, offset): attention takes it as is_causal / window
     return causal_mask
 
 
@@ -260,7 +264,8 @@ def sliding_window(left: int, right: int = 0, offset: int = 0):
     """Query ``i`` sees keys ``j`` with ``i + offset - left <= j <= i + offset + right`` (a band).
 
     ``left`` keys before its own position, ``right`` after: Mistral's window
-    ``w`` is ``sliding_window(w - 1)``.
+    ``w`` is ``sliding_window(w - 1)``. With ``offset = S - L`` attention takes
+    it as ``window=(left, right)`` (the tiled path's row spans).
     """
     left, right = check_int(left, "left", minimum=0), check_int(right, "right", minimum=0)
     offset = check_int(offset, "offset")
@@ -269,6 +274,7 @@ def sliding_window(left: int, right: int = 0, offset: int = 0):
         d = q_idx + offset - kv_idx
         return (d <= left) & (d >= -right)
 
+    sliding_window_mask.limits = (left, right, offset)
     return sliding_window_mask
 
 

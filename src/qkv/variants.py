@@ -328,5 +328,31 @@ def prepare(*, batch: tuple, Hk: int, G: int, L: int, S: int, compute_dtype, win
         if var.block_mask is not None:  # the user's tiles, for the combined mask
             bm = var.block_mask
             var.block_mask = _mods.create_block_mask(mask_mod, math.prod(batch) or 1, Hq, L, S, block=(bm.block_q, bm.block_kv))
+    if ragged is None and mask_mod is not None:
+        mask_mod, window, dropped = _limits_of(mask_mod, window, S - L)
+        if dropped and var.block_mask is not None and mask_mod is None:
+            var.block_mask = None  # the window path skips the hidden blocks itself
     var.mask_mod = mask_mod
     return var, window
+
+
+def _meet(a, b):
+    """The tighter of two window sides (None = unlimited)."""
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _limits_of(mask_mod, window, offset):  # -> (mask_mod or None, window, whether any part was taken)
+    """qkv's own causal and sliding-window mods, bottom-right aligned (offset ``S - L``), alone or
+    among and_masks' parts, become the window: the tiled path then gives each row its span of keys
+    rather than evaluating a mask. The other parts stay a mask mod."""
+    parts = getattr(mask_mod, "parts", (mask_mod,))
+    limits = [p.limits for p in parts if getattr(p, "limits", None) is not None and p.limits[2] == offset]
+    if not limits:
+        return mask_mod, window, False
+    rest = [p for p in parts if getattr(p, "limits", None) is None or p.limits[2] != offset]
+    left, right = window if window is not None else (None, None)
+    for l, r, _ in limits:
+        left, right = _meet(left, l), _meet(right, r)
+    if not rest:
+        return None, (left, right), True
+    return (rest[0] if len(rest) == 1 else _mods.and_masks(*rest)), (left, right), True

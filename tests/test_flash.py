@@ -331,3 +331,29 @@ def test_compiled_work_items_equal_the_python_loop(monkeypatch, kernel, window, 
         assert got.dtype == dtype
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
         np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)
+
+
+def test_compiled_work_items_run_on_one_blas_thread_each(kernel):
+    """numba's np.dot calls SciPy's OpenBLAS, not NumPy's: the pool pins it too (unpinned, two workers'
+    products each started threads of their own: up to 2.4x slower on two cores). In a fresh process,
+    where SciPy's library is loaded only when the first compiled item runs."""
+    import subprocess
+    import sys
+
+    script = """
+import numpy as np
+from threadpoolctl import threadpool_info
+from qkv import flash, scaled_dot_product_attention as sdpa
+seen, real = [], flash._attend_compiled
+def spy(*a):
+    seen.append([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"])
+    return real(*a)
+flash._attend_compiled = spy
+q = np.random.default_rng(0).standard_normal((1, 4, 900, 16)).astype(np.float32)
+sdpa(q, q, q, implementation="tiled", workers=2, kernel="numba")
+print(seen)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seen = eval(r.stdout)
+    assert seen and all(len(n) >= 2 and n == [1] * len(n) for n in seen), seen  # NumPy's BLAS and SciPy's, one thread each

@@ -50,6 +50,31 @@ def _have_threadpoolctl() -> bool:
     return True
 
 
+_controlled: set = set()  # modules whose BLAS the controller was (re)made to see
+
+
+def control_blas_of(module: str) -> None:
+    """Make the BLAS that ``module`` loads one that :func:`run_all` pins too.
+
+    threadpoolctl sees the libraries loaded when its controller is made. numba's
+    ``np.dot`` calls SciPy's own OpenBLAS (``scipy.linalg.cython_blas``), another
+    library than NumPy's: unpinned, each worker's products would start threads of
+    their own and oversubscribe the cores. Called once per module; cheap after.
+    """
+    if module in _controlled:
+        return
+    import importlib
+
+    importlib.import_module(module)
+    global _controller
+    with _lock:
+        _controlled.add(module)
+        _controller = None  # made again, seeing the library just loaded, on the next run_all
+        if _restore is not None:  # inside a pinned run_all already: pin the new library as well
+            _controller = __import__("threadpoolctl").ThreadpoolController()
+            _controller.limit(limits=1, user_api="blas")
+
+
 def _take_blas_control() -> None:
     """Let this thread set OpenBLAS's thread count.
 

@@ -60,7 +60,7 @@ import threading
 
 import numpy as np
 
-from ._parallel import check_workers, interrupted, run_all, scratch
+from ._parallel import check_workers, control_blas_of, interrupted, run_all, scratch
 from .dropout import dropout_keep
 
 __all__ = ["tiled_attention", "tiled_attention_backward", "block_step", "kernel_names", "check_kernel", "BLOCK_Q", "BLOCK_K", "EDGE_ROWS", "TAU", "KERNEL"]
@@ -502,6 +502,8 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     # Work items with no mask to read and nothing between the product and the step run as one
     # compiled call (qkv._compiled.attend_rows) when the step is numba's: the same pieces and numbers.
     compiled = step is _compiled_step and fold and mask is None and not dropout_p and COMPILED_ITEMS
+    if compiled:
+        control_blas_of("scipy.linalg.cython_blas")  # the BLAS numba's np.dot calls: pinned like NumPy's
 
     def work(bidx, hk, i0, i1):
         n = i1 - i0

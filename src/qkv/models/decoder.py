@@ -39,6 +39,7 @@ from ..mods import alibi_slopes
 from ..rope import apply_rope, rope_angles
 from .errors import ModelError
 from .functional import ACTIVATIONS, layer_norm, rms_norm
+from .quants import matmul
 
 __all__ = ["DecoderConfig", "DecoderLayer", "CausalLM", "CausalLMOutput", "GenerateOutput"]
 
@@ -224,8 +225,8 @@ def _norm(cfg: DecoderConfig, x: np.ndarray, w: tuple) -> np.ndarray:
     return layer_norm(x, w[0], w[1], cfg.norm_eps)
 
 
-def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    y = x @ w.T  # w is (out, in)
+def _linear(x: np.ndarray, w, b: np.ndarray | None) -> np.ndarray:
+    y = matmul(x, w)  # x @ w.T: w is (out, in), float32 or kept in a GGUF file's blocks
     if b is not None:
         y += b
     return y
@@ -270,10 +271,21 @@ class CausalLM:
         arrays += [] if self.positions is None else [self.positions]
         arrays += [] if self.embed_norm is None else [a for a in self.embed_norm if a is not None]
         for layer in self.layers:
-            arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray)]
+            arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray) or hasattr(v, "matmul")]
             arrays += [a for v in vars(layer).values() if isinstance(v, tuple) for a in v if a is not None]
             arrays += [] if layer.moe is None else layer.moe.arrays
         return int(sum(a.size for a in arrays) + sum(a.size for a in self.final_norm if a is not None))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weights take in memory (quantized ones in their blocks)."""
+        arrays = [self.embed, *([] if self.lm_head is self.embed else [self.lm_head])]
+        arrays += [a for a in (self.positions, *(self.embed_norm or ()), *self.final_norm) if a is not None]
+        for layer in self.layers:
+            arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray) or hasattr(v, "matmul")]
+            arrays += [a for v in vars(layer).values() if isinstance(v, tuple) for a in v if a is not None]
+            arrays += [] if layer.moe is None else layer.moe.arrays
+        return int(sum(a.nbytes for a in arrays))
 
     def new_cache(self) -> KVCache:
         """An empty :class:`qkv.KVCache` with this model's sliding windows."""
@@ -330,7 +342,7 @@ class CausalLM:
             raise ValueError(f"the sequence would reach {start + L} tokens, past this model's {cfg.max_positions} positions")
         Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pos = np.arange(start, start + L)
-        h = self.embed[ids]  # (B, L, E), a copy
+        h = self.embed[ids] if isinstance(self.embed, np.ndarray) else self.embed.take(ids)  # (B, L, E), a copy
         if cfg.embed_scale != 1.0:
             h *= self._embed_scale
         if self.positions is not None:
@@ -404,7 +416,7 @@ class CausalLM:
         if logits_to_keep:
             h = h[:, -int(logits_to_keep) :]
         h = _norm(cfg, h, self.final_norm)
-        logits = h @ self.lm_head.T  # (B, L, V)
+        logits = matmul(h, self.lm_head)  # (B, L, V)
         if cfg.final_logit_softcap:
             c = np.float32(cfg.final_logit_softcap)
             logits = np.tanh(logits / c) * c

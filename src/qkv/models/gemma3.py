@@ -23,6 +23,7 @@ import numpy as np
 
 from .decoder import DecoderConfig, DecoderLayer
 from .errors import ModelError
+from .quants import stack
 
 __all__ = ["config_from_gguf", "config_from_hf", "layers_from_gguf", "weights_from_hf"]
 
@@ -79,10 +80,14 @@ def config_from_gguf(g) -> DecoderConfig:
     )
 
 
-def layers_from_gguf(g, cfg: DecoderConfig):
-    """``(embed, layers, final_norm)`` from the GGUF tensors (llama.cpp names)."""
+def layers_from_gguf(g, cfg: DecoderConfig, *, keep_quantized: bool = True):
+    """``(embed, layers, final_norm)`` from the GGUF tensors (llama.cpp names).
+
+    Weight matrices stay in the file's blocks (:class:`qkv.models.quants.QuantizedMatrix`) unless
+    ``keep_quantized`` is False (then float32, dequantized by the gguf package: the reference).
+    """
     E, F, D, H, Hk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    embed = g.tensor("token_embd.weight", (cfg.vocab_size, E))
+    embed = g.matrix("token_embd.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)
     layers = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
@@ -90,17 +95,20 @@ def layers_from_gguf(g, cfg: DecoderConfig):
         def t(name, shape):
             return g.tensor(p + name, shape)
 
+        def w(name, shape):
+            return g.matrix(p + name, shape, keep_quantized=keep_quantized)
+
         layers.append(
             DecoderLayer(
                 attn_norm=(t("attn_norm.weight", (E,)), None),  # stored as 1 + w
-                w_qkv=np.concatenate([t("attn_q.weight", (H * D, E)), t("attn_k.weight", (Hk * D, E)), t("attn_v.weight", (Hk * D, E))]),
+                w_qkv=stack([w("attn_q.weight", (H * D, E)), w("attn_k.weight", (Hk * D, E)), w("attn_v.weight", (Hk * D, E))]),
                 b_qkv=None,
-                w_out=t("attn_output.weight", (E, H * D)),
+                w_out=w("attn_output.weight", (E, H * D)),
                 b_out=None,
                 mlp_norm=(t("ffn_norm.weight", (E,)), None),
-                w_up=np.concatenate([t("ffn_gate.weight", (F, E)), t("ffn_up.weight", (F, E))]),
+                w_up=stack([w("ffn_gate.weight", (F, E)), w("ffn_up.weight", (F, E))]),
                 b_up=None,
-                w_down=t("ffn_down.weight", (E, F)),
+                w_down=w("ffn_down.weight", (E, F)),
                 b_down=None,
                 q_norm=t("attn_q_norm.weight", (D,)),
                 k_norm=t("attn_k_norm.weight", (D,)),

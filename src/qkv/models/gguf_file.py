@@ -209,3 +209,24 @@ class GGUFFile:
             raise ModelError(f"{self.path}: tensor {name!r}: quantization {qt.name} is not supported by gguf's dequantizer") from None
         out = out.reshape(got)
         return out if out.dtype == np.float32 and out.flags.c_contiguous and out.base is None else np.array(out, dtype=np.float32)
+
+    def matrix(self, name: str, shape: tuple | None = None, *, keep_quantized: bool = True):
+        """A 2-D weight as the products need it: a :class:`qkv.models.quants.QuantizedMatrix` that keeps the
+        file's blocks (every type in ``quants.SUPPORTED``), or float32 for F32 tensors (and for every
+        tensor with ``keep_quantized=False``: the reference path, dequantized by the gguf package)."""
+        from .quants import SUPPORTED, QuantizedMatrix
+
+        if name not in self.tensors:
+            raise ModelError(f"{self.path}: missing tensor {name!r}")
+        got, qt, offset, nbytes = self.tensors[name]
+        if not keep_quantized or qt.name == "F32" or len(got) != 2:
+            return self.tensor(name, shape)
+        if shape is not None and tuple(got) != tuple(shape):
+            raise ModelError(f"{self.path}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(got)}")
+        if qt.name not in SUPPORTED:
+            raise ModelError(f"{self.path}: tensor {name!r} is {qt.name}, which qkv does not read (supported: F32, {', '.join(SUPPORTED)})")
+        if offset + nbytes > len(self._map):
+            raise ModelError(f"{self.path}: truncated file: tensor {name!r} ends past the end of the file")
+        raw = np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
+        # A copy, never a view: the file is closed once the model is read.
+        return QuantizedMatrix(np.array(raw, copy=True).reshape(got[0], -1), qt.name, got, name=f"{self.path.name}: {name}")

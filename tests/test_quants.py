@@ -1,0 +1,120 @@
+"""GGUF weights kept quantized: the decoders against gguf.quants.dequantize (bit for bit), the products
+against dequantize-then-float32 (to rounding), on random blocks with extreme scales, both kernels."""
+
+import numpy as np
+import pytest
+
+from qkv.models.quants import BLOCKS, SUPPORTED, QuantizedMatrix, StackedMatrix, dequantize_rows, stack
+
+KERNELS = ["numpy", "numba"]
+
+
+def random_blocks(qtype, rows, cols, rng, *, extreme=False):
+    """Random valid blocks: random bits for the values, chosen float16 scales (extreme: the largest
+    normal float16, subnormals, zeros and negative scales among them)."""
+    per, size = BLOCKS[qtype]
+    if qtype in ("F16", "BF16"):
+        vals = rng.standard_normal((rows, cols)).astype(np.float32) * (1e4 if extreme else 1)
+        if qtype == "F16":
+            return vals.astype(np.float16).view(np.uint8)
+        return (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    nb = cols // per
+    raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+    scales = rng.standard_normal((rows, nb, 2)).astype(np.float32) * 0.1
+    if extreme:
+        picks = np.array([65504.0, -65504.0, 6.0e-8, -6.0e-8, 0.0, 1e-5, 3.0], np.float32)
+        scales = picks[rng.integers(0, len(picks), size=(rows, nb, 2))]
+    s16 = scales.astype(np.float16).view(np.uint8).reshape(rows, nb, 2, 2)
+    if qtype == "Q6_K":
+        raw[:, :, 208:210] = s16[:, :, 0]
+    else:
+        raw[:, :, 0:2] = s16[:, :, 0]
+        if qtype in ("Q4_K", "Q5_K"):
+            raw[:, :, 2:4] = s16[:, :, 1]
+    return raw.reshape(rows, nb * size)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("qtype", SUPPORTED)
+@pytest.mark.parametrize("extreme", [False, True])
+def test_decoding_is_gguf_dequantize_bit_for_bit(qtype, kernel, extreme):
+    rng = np.random.default_rng(len(qtype) + extreme)
+    cols = 512
+    m = QuantizedMatrix(random_blocks(qtype, 24, cols, rng, extreme=extreme), qtype, (24, cols))
+    want = dequantize_rows(m.raw, qtype, cols)  # gguf.quants.dequantize (F16: NumPy's view)
+    got = m.dequantize(kernel=kernel)
+    assert got.dtype == np.float32 and got.shape == (24, cols)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # the same bits
+    rows = np.array([5, 0, 23, 5])
+    np.testing.assert_array_equal(m.take(rows.reshape(2, 2)), want[rows].reshape(2, 2, cols))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("qtype", SUPPORTED)
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+def test_products_equal_dequantize_then_float32(qtype, kernel, tokens):
+    """1-4 tokens read the blocks directly, more go through decoded tiles and BLAS: both are the
+    float32 product of the decoded weights, to float32 rounding (judged against float64)."""
+    rng = np.random.default_rng(tokens * 7 + len(qtype))
+    rows, cols = 70, 768
+    m = QuantizedMatrix(random_blocks(qtype, rows, cols, rng), qtype, (rows, cols))
+    w = dequantize_rows(m.raw, qtype, cols).astype(np.float64)
+    x = rng.standard_normal((2, tokens, cols)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T
+    got = m.matmul(x, kernel=kernel)
+    assert got.dtype == np.float32 and got.shape == (2, tokens, rows)
+    f32 = (x @ w.astype(np.float32).T).astype(np.float64)  # float32's own error, for scale
+    bound = 4 * np.abs(f32 - want).max() + 1e-6 * np.abs(x).sum(-1).max() * np.abs(w).max()
+    assert np.abs(got - want).max() <= bound
+
+
+def test_stacking_joins_one_type_and_keeps_mixed_ones_apart():
+    rng = np.random.default_rng(0)
+    a = QuantizedMatrix(random_blocks("Q5_0", 8, 64, rng), "Q5_0", (8, 64))
+    b = QuantizedMatrix(random_blocks("Q5_0", 4, 64, rng), "Q5_0", (4, 64))
+    c = QuantizedMatrix(random_blocks("Q8_0", 4, 64, rng), "Q8_0", (4, 64))
+    joined = stack([a, b])
+    assert isinstance(joined, QuantizedMatrix) and joined.shape == (12, 64)
+    mixed = stack([a, b, c])
+    assert isinstance(mixed, StackedMatrix) and mixed.shape == (16, 64)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    full = np.concatenate([a.dequantize(), b.dequantize(), c.dequantize()])
+    np.testing.assert_allclose(mixed.matmul(x), x @ full.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(stack([np.ones((2, 3)), np.zeros((1, 3))]), [[1, 1, 1], [1, 1, 1], [0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((np.zeros(34, np.uint8), "Q3_K", (1, 32)), "quantization Q3_K is not supported"),
+        ((np.zeros(34, np.uint8), "Q8_0", (1, 40)), "a row of 40 values is not a whole number of Q8_0 blocks of 32"),
+        ((np.zeros(30, np.uint8), "Q8_0", (1, 32)), r"Q8_0 data of 30 bytes does not hold \(1, 32\) values \(34 bytes\)"),
+        ((np.zeros(34, np.float32), "Q8_0", (1, 32)), "does not hold"),
+    ],
+)
+def test_bad_blocks(args, match):
+    from qkv.models import ModelError
+
+    with pytest.raises(ModelError, match=match):
+        QuantizedMatrix(*args)
+
+
+@pytest.fixture(scope="module")
+def gemma_pair():
+    from qkv.models import load_causal_lm
+
+    return load_causal_lm(), load_causal_lm(keep_quantized=False)
+
+
+def test_the_real_file_kept_quantized_follows_its_dequantized_twin(gemma_pair):
+    """Gemma 3 270M Q4_K_M: the weights in their blocks take a quarter of float32's memory, the logits
+    stay within float32 rounding of the dequantized model's, and the next token agrees along a long text."""
+    quant, full = gemma_pair
+    assert quant.nbytes < 0.3 * full.nbytes
+    text = " ".join(["The history of the city begins with a small settlement by the river, where traders met to exchange salt and grain."] * 6)
+    ids = quant.tokenizer.encode(text)[:160]
+    a, b = quant(ids), full(ids)
+    assert np.abs(a - b).max() < 2e-3 * np.abs(b).max()
+    agree = (a.argmax(-1) == b.argmax(-1)).mean()
+    assert agree == 1.0, agree
+    assert quant.generate("The capital of France is", max_new_tokens=24).token_ids == full.generate("The capital of France is", max_new_tokens=24).token_ids

@@ -118,3 +118,30 @@ def test_the_real_file_kept_quantized_follows_its_dequantized_twin(gemma_pair):
     agree = (a.argmax(-1) == b.argmax(-1)).mean()
     assert agree == 1.0, agree
     assert quant.generate("The capital of France is", max_new_tokens=24).token_ids == full.generate("The capital of France is", max_new_tokens=24).token_ids
+
+
+def test_gguf_tokenizers_are_cached_and_read_back_the_same(tmp_path, monkeypatch):
+    """The vocabulary's tokenizer is built once per vocabulary and read back from qkv's cache after."""
+    from qkv.models import load_causal_lm, tokenizer
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    first = load_causal_lm().tokenizer
+    assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 1
+    monkeypatch.setattr(tokenizer, "_gemma_merges", lambda tokens: (_ for _ in ()).throw(AssertionError("rebuilt")))
+    second = load_causal_lm().tokenizer  # from the cache: the merges are not recovered again
+    text = "Hello  world, café  naïve\n  <start_of_turn>user\nx"
+    assert second.encode(text) == first.encode(text) and second.decode(first.encode(text)) == first.decode(first.encode(text))
+    (next((tmp_path / "tokenizers").glob("*.json"))).write_text("{not json")  # a damaged cache is rebuilt
+    monkeypatch.undo()
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    assert load_causal_lm().tokenizer.encode(text) == first.encode(text)
+
+
+def test_loading_keeps_the_file_out_of_resident_memory():
+    """Each tensor's pages are dropped once copied: the process never holds the file and the model at once."""
+    import subprocess
+    import sys
+
+    script = "import resource; from qkv.models import load_causal_lm; lm = load_causal_lm(); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, lm.nbytes // 2**20)"
+    peak, weights = map(int, subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True).stdout.split())
+    assert weights < 300 and peak < 800, (peak, weights)  # 264 MiB of weights; the float32 model peaked past 1,600 MiB

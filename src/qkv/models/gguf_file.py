@@ -201,13 +201,16 @@ class GGUFFile:
             if dt is not None:
                 # A copy, never a view: a view would keep the whole file mapped (and resident) for
                 # as long as the model lives.
-                return np.array(raw.view(dt).reshape(got), dtype=np.float32, copy=True)
+                out = np.array(raw.view(dt).reshape(got), dtype=np.float32, copy=True)
+                self._drop(offset, nbytes)
+                return out
         rows = raw.reshape(-1, (got[-1] // block) * type_size)
         try:
             out = gguf.quants.dequantize(rows, qt)
         except NotImplementedError:
             raise ModelError(f"{self.path}: tensor {name!r}: quantization {qt.name} is not supported by gguf's dequantizer") from None
         out = out.reshape(got)
+        self._drop(offset, nbytes)
         return out if out.dtype == np.float32 and out.flags.c_contiguous and out.base is None else np.array(out, dtype=np.float32)
 
     def matrix(self, name: str, shape: tuple | None = None, *, keep_quantized: bool = True):
@@ -229,4 +232,16 @@ class GGUFFile:
             raise ModelError(f"{self.path}: truncated file: tensor {name!r} ends past the end of the file")
         raw = np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
         # A copy, never a view: the file is closed once the model is read.
-        return QuantizedMatrix(np.array(raw, copy=True).reshape(got[0], -1), qt.name, got, name=f"{self.path.name}: {name}")
+        m = QuantizedMatrix(np.array(raw, copy=True).reshape(got[0], -1), qt.name, got, name=f"{self.path.name}: {name}")
+        self._drop(offset, nbytes)
+        return m
+
+    def _drop(self, offset: int, nbytes: int) -> None:
+        """Let the kernel drop the pages of a tensor just copied: the mapping's pages count in this
+        process's resident memory until unmapped, and a model read whole would hold the file twice."""
+        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, start, min(len(self._map), offset + nbytes) - start)
+            except (OSError, ValueError):  # not supported here: the pages go when the file is closed
+                pass

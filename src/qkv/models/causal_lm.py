@@ -59,10 +59,30 @@ def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:
     if extra:
         raise ModelError(f"{path}: tensor {extra[0]!r} is not part of a {cfg.num_layers}-layer gemma3 model ({len(extra)} unexpected tensors)")
     tokenizer = tk.from_gguf(g, source=str(path))
+    template = g.field("tokenizer.chat_template")
     g.close()  # everything is copied out: the 253 MB mapping need not stay resident
     if tokenizer.vocab_size < cfg.vocab_size:
         raise ModelError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embeddings {cfg.vocab_size}")
-    return CausalLM(cfg, embed, layers, final_norm, tokenizer=tokenizer, name=str(g.field("general.name", path.stem)))
+    chat, tuned = _chat_template(template, f"{path}: tokenizer.chat_template", tokenizer, cfg.family)
+    return CausalLM(cfg, embed, layers, final_norm, tokenizer=tokenizer, name=str(g.field("general.name", path.stem)), chat_template=chat, instruction_tuned=tuned)
+
+
+def _chat_template(source, origin: str, tokenizer, family: str):
+    """(ChatTemplate or None, instruction_tuned): the file's template; none but a Gemma family: Gemma's turn
+    format (the model is then a base model; qkv says so where it chats); none otherwise: no chat."""
+    from .chat import GEMMA_TEMPLATE, ChatTemplate
+
+    if isinstance(source, list):  # tokenizer_config.json may list named templates: the default one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    tuned = source is not None
+    if source is None:
+        if not family.startswith("gemma"):
+            return None, None
+        source, origin = GEMMA_TEMPLATE, "Gemma's turn format (qkv's, the file has no chat template)"
+    bos = tokenizer.token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.token(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    return ChatTemplate(source, origin, bos_token=bos, eos_token=eos), tuned
 
 
 _GGUF_LAYER_TENSORS = [
@@ -135,7 +155,13 @@ def _load_hf(path: Path) -> CausalLM:
     if extra:
         raise ModelError(f"{weights_file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
     tokenizer = tk.from_file(path / "tokenizer.json", c)
-    return CausalLM(cfg, embed, layers, final_norm, lm_head=head, positions=positions, embed_norm=embed_norm, tokenizer=tokenizer, name=path.resolve().name)
+    template, origin = None, f"{path}: chat template"
+    if (path / "chat_template.jinja").is_file():
+        template, origin = regular_file(path / "chat_template.jinja", "a chat template", max_bytes=1 << 20).read_text(encoding="utf-8"), str(path / "chat_template.jinja")
+    elif (path / "tokenizer_config.json").is_file():
+        template, origin = read_json(path / "tokenizer_config.json").get("chat_template"), f"{path / 'tokenizer_config.json'}: chat_template"
+    chat, tuned = _chat_template(template, origin, tokenizer, cfg.family)
+    return CausalLM(cfg, embed, layers, final_norm, lm_head=head, positions=positions, embed_norm=embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat, instruction_tuned=tuned)
 
 
 def load_causal_lm(path=None, *, keep_quantized: bool = True) -> CausalLM:

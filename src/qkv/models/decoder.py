@@ -206,7 +206,7 @@ class GenerateOutput:
     token_ids : list of int
         The new tokens, the stopping EOS included when one was produced.
     prompt_ids : list of int
-    stop_reason : {"eos", "length"}
+    stop_reason : {"eos", "stop", "length"}
     timings : dict
         ``prefill_s``, ``decode_s``, ``prompt_tokens``, ``new_tokens``,
         ``decode_tokens_per_s`` (tokens after the first per second of decoding).
@@ -244,8 +244,13 @@ class CausalLM:
     name : str
     """
 
-    def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list, final_norm: tuple, *, lm_head: np.ndarray | None = None, positions: np.ndarray | None = None, embed_norm: tuple | None = None, tokenizer=None, name: str = "model"):
+    def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list, final_norm: tuple, *, lm_head: np.ndarray | None = None, positions: np.ndarray | None = None, embed_norm: tuple | None = None,
+                 tokenizer=None, name: str = "model", chat_template=None, instruction_tuned: bool | None = None):  # fmt: skip
         self.config = config
+        self.chat_template = chat_template  # a qkv.models.chat.ChatTemplate, or None
+        #: True: the file carries a chat template (an instruction-tuned model); False: it has none and
+        #: qkv lent it one (a base model); None: no chat at all.
+        self.instruction_tuned = instruction_tuned
         self.embed_norm = embed_norm  # a norm of the embeddings (BLOOM), or None
         self._alibi = alibi_slopes(config.num_heads) if config.alibi else None  # (Hq,) float32
         self._rope_freqs = None if config.rope_frequencies is None else np.array(config.rope_frequencies, np.float32)
@@ -439,8 +444,37 @@ class CausalLM:
         logits = self.forward(input_ids, cache).logits  # forward validates the ids
         return logits[0] if np.ndim(input_ids) == 1 else logits
 
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+        """The conversation as the text this model was tuned on (its own template; see :mod:`qkv.models.chat`).
+
+        Examples
+        --------
+        >>> from qkv.models import load_causal_lm
+        >>> lm = load_causal_lm()
+        >>> print(lm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+        <bos><start_of_turn>user
+        What is the capital of France?<end_of_turn>
+        <start_of_turn>model
+        <BLANKLINE>
+        """
+        if self.chat_template is None:
+            raise ValueError(f"{self.name} has no chat template (its file carries none, and qkv lends one to Gemma files only): use generate() with plain text")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def chat(self, messages, max_new_tokens: int = 256, **options) -> GenerateOutput:
+        """The assistant's next turn: the conversation rendered by the model's template, then :meth:`generate`
+        (``options`` as there). Generation stops at the end of the turn (Gemma's ``<end_of_turn>``, or EOS).
+
+        ``messages``: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+        """
+        text = self.apply_chat_template(messages)
+        ids = self.tokenizer.encode(text, add_bos=False)  # the template writes BOS itself where the model wants it
+        return self.generate(ids, max_new_tokens, **options)
+
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed=None, stop_at_eos: bool = True, on_token=None) -> GenerateOutput:
+    def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 repetition_penalty: float = 1.0, stop=(), seed=None, stop_at_eos: bool = True, on_token=None) -> GenerateOutput:  # fmt: skip
         """Continue ``prompt``: greedy by default, or sampled.
 
         Parameters
@@ -456,6 +490,16 @@ class CausalLM:
         top_p : float in (0, 1], optional
             Sample only among the most likely tokens whose probabilities
             add up to ``top_p`` (nucleus sampling).
+        min_p : float in (0, 1], optional
+            Sample only among tokens at least ``min_p`` times as likely as
+            the most likely one.
+        repetition_penalty : float, default 1.0
+            Above 1, every token already in the prompt or the output is made
+            less likely (its logit divided by the penalty where positive,
+            multiplied where negative), greedy decoding included.
+        stop : str or sequence of str
+            Stop as soon as the new text contains one of these; the text is
+            cut before it (the tokens that made it stay in ``token_ids``).
         seed : int or numpy.random.Generator, optional
             Source of the samples; needed when ``temperature > 0`` (the same
             seed gives the same text).
@@ -475,9 +519,15 @@ class CausalLM:
         >>> out.text
         ' the capital of the'
         """
-        from .sampling import check_sampling, next_token
+        from .sampling import check_penalty, check_sampling, next_token, penalize
 
         max_new_tokens, temperature, top_k, top_p = check_sampling(max_new_tokens, temperature, top_k, top_p)
+        repetition_penalty, min_p = check_penalty(repetition_penalty, min_p)
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError(f"stop should be non-empty strings, got {stop!r}")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: this model has none")
         rng = None
         if temperature > 0:
             if seed is None:
@@ -495,7 +545,7 @@ class CausalLM:
         prompt_ids = ids[0].tolist()
         eos = set(self.tokenizer.eos_ids if self.tokenizer is not None else ())
         new: list[int] = []
-        stop = "length"
+        reason = "length"
         cache = self.new_cache()
         t0 = time.perf_counter()
         t_first = None
@@ -503,13 +553,19 @@ class CausalLM:
             logits = self.forward(prompt_ids, cache, logits_to_keep=1).logits[0, -1]
             t_first = time.perf_counter()
             while True:
-                tok = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
+                logits = penalize(logits, prompt_ids + new, repetition_penalty)
+                tok = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
                 new.append(tok)
                 if on_token is not None:
                     on_token(tok)
                 if stop_at_eos and tok in eos:
-                    stop = "eos"
+                    reason = "eos"
                     break
+                if stop:
+                    tail = self.tokenizer.decode(new[-64:])  # a stop string ends within the last tokens
+                    if any(x in tail for x in stop):
+                        reason = "stop"
+                        break
                 if len(new) >= max_new_tokens:
                     break
                 if self.config.max_positions and len(cache) + 1 > self.config.max_positions:
@@ -519,11 +575,13 @@ class CausalLM:
         prefill = (t_first or t1) - t0
         decode = t1 - (t_first or t1)
         text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
+        if reason == "stop":
+            text = text[: min(text.find(x) for x in stop if x in text)]
         return GenerateOutput(
             text=text,
             token_ids=new,
             prompt_ids=list(prompt_ids),
-            stop_reason=stop,
+            stop_reason=reason,
             timings={
                 "prompt_tokens": len(prompt_ids),
                 "new_tokens": len(new),

@@ -1,0 +1,185 @@
+"""Chat templates (rendered as transformers renders them, in the sandbox), chat and the sampling options
+people expect (repetition penalty, min-p, stop strings), against transformers; the CLI's chat."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qkv.models import ModelError, load_causal_lm
+from qkv.models.chat import GEMMA_TEMPLATE, ChatTemplate
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama 3's shape, with the features real templates use: namespace, tojson, loop controls, the generation tag
+LLAMA3_LIKE = """{{- bos_token }}
+{%- set ns = namespace(system='') %}
+{%- for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] %}{% continue %}{% endif %}{% endfor %}
+{%- if ns.system %}<|start_header_id|>system<|end_header_id|>\n\n{{ ns.system | trim }}<|eot_id|>{% endif %}
+{%- for m in messages %}
+    {%- if m['role'] == 'system' %}{% continue %}{% endif %}
+    {%- if m['role'] == 'assistant' %}<|start_header_id|>assistant<|end_header_id|>\n\n{% generation %}{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}
+    {%- else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endif %}
+    {%- if m.get('tools') %}{{ m['tools'] | tojson }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "  Capital of Italy?  "}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Tell me a joke about café & <tags> \"quotes\""}],
+    [{"role": "user", "content": "héllo 日本語 😀", "tools": [{"name": "f", "note": "é <b>"}]}],
+]
+
+
+@pytest.mark.parametrize("template", [GEMMA_TEMPLATE, CHATML, LLAMA3_LIKE], ids=["gemma", "chatml", "llama3-like"])
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_templates_render_as_transformers_renders_them(template, conversation, generation_prompt):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = CONVERSATIONS[conversation]
+    want, _ = render_jinja_template([messages], chat_template=template, add_generation_prompt=generation_prompt, bos_token="<bos>", eos_token="<eos>")
+    got = ChatTemplate(template, "test", bos_token="<bos>", eos_token="<eos>").render(messages, add_generation_prompt=generation_prompt)
+    assert got == want[0]
+
+
+@pytest.mark.parametrize(
+    "source, messages, match",
+    [
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", [{"role": "user", "content": "x"}], "the sandbox forbids"),
+        ("{{ messages.__class__.__base__ }}{{ cycler.__init__.__globals__.os }}", [{"role": "user", "content": "x"}], "the sandbox forbids|failed to render"),
+        ("{{ raise_exception('only one turn, please') }}", [{"role": "user", "content": "x"}], "failed to render this conversation: only one turn, please"),
+        ("{% for m in messages %}", [{"role": "user", "content": "x"}], "does not compile"),
+        (GEMMA_TEMPLATE, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "roles must alternate"),
+    ],
+)
+def test_a_hostile_or_broken_template_is_one_clear_error(source, messages, match):
+    with pytest.raises(ModelError, match=match):
+        ChatTemplate(source, "a test file").render(messages)
+
+
+def test_bad_conversations():
+    t = ChatTemplate(CHATML, "x")
+    for messages, exc, match in (
+        ("hi", TypeError, "messages should be a list"),
+        ([], ValueError, "messages is empty"),
+        ([{"role": "user"}], ValueError, r"messages\[0\]\['content'\] should be a string"),
+        (["hi"], TypeError, r"messages\[0\] should be a dict"),
+    ):
+        with pytest.raises(exc, match=match):
+            t.render(messages)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_causal_lm()
+
+
+def test_the_packaged_model_is_a_base_model_that_chats_in_gemmas_format(gemma):
+    assert gemma.instruction_tuned is False and "no chat template" in gemma.chat_template.origin
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    text = gemma.apply_chat_template(messages)
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+    ids = gemma.tokenizer.encode(text, add_bos=False)
+    assert ids[0] == gemma.tokenizer.bos_id and ids.count(gemma.tokenizer.bos_id) == 1  # BOS once: the template's
+    turn, end = gemma.tokenizer.backend.token_to_id("<start_of_turn>"), gemma.tokenizer.backend.token_to_id("<end_of_turn>")
+    assert ids.count(turn) == 2 and ids.count(end) == 1 and end in gemma.tokenizer.eos_ids  # whole special tokens; a turn's end stops
+    out = gemma.chat(messages, max_new_tokens=6)
+    assert out.prompt_ids == ids and len(out.token_ids) <= 6
+
+
+def test_stop_strings_cut_the_text_before_them(gemma):
+    full = gemma.generate("The capital of France is", max_new_tokens=24)
+    assert "." in full.text
+    out = gemma.generate("The capital of France is", max_new_tokens=24, stop=["."])
+    assert out.stop_reason == "stop" and out.text == full.text[: full.text.index(".")]
+    assert gemma.tokenizer.decode(out.token_ids).startswith(out.text + ".")  # the tokens that made the stop string stay
+    with pytest.raises(ValueError, match="stop should be non-empty strings"):
+        gemma.generate("x", stop=[""])
+
+
+def test_repetition_penalty_and_min_p_follow_transformers(torch):
+    """The logits processors against transformers' own, on random logits and histories."""
+    from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    from qkv.models.sampling import next_token, penalize
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        logits = rng.standard_normal(50).astype(np.float32) * 3
+        seen = rng.integers(0, 50, size=rng.integers(1, 30))
+        penalty = float(rng.uniform(0.5, 2.0))
+        want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor(seen)[None], torch.tensor(logits)[None])[0].numpy()
+        np.testing.assert_array_equal(penalize(logits, seen, penalty), want)
+        min_p = float(rng.uniform(0.01, 0.9))
+        kept = np.isfinite(MinPLogitsWarper(min_p)(None, torch.tensor(logits, dtype=torch.float64)[None])[0].numpy())
+        draws = {next_token(logits, temperature=1.0, min_p=min_p, rng=np.random.default_rng(i)) for i in range(200)}
+        assert draws <= set(np.nonzero(kept)[0]) and np.argmax(logits) in draws
+
+
+def test_greedy_with_a_repetition_penalty_equals_transformers(torch, tmp_path):
+    from test_decoder import _tiny
+
+    model, d = _tiny("llama", torch, tmp_path)
+    lm = load_causal_lm(d)
+    prompt = [5, 9, 13, 5, 9]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, repetition_penalty=1.4, eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    assert lm.generate(prompt, max_new_tokens=20, repetition_penalty=1.4, stop_at_eos=False).token_ids == want
+    plain = lm.generate(prompt, max_new_tokens=20, stop_at_eos=False).token_ids
+    assert plain != want  # the penalty changed something here
+
+
+def test_a_hugging_face_directory_chats_with_its_own_template(torch, tmp_path):
+    from test_decoder import _tiny
+
+    _, d = _tiny("qwen2", torch, tmp_path)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    lm = load_causal_lm(d)
+    assert lm.instruction_tuned is True
+    assert lm.apply_chat_template([{"role": "user", "content": "w5 w7"}]) == "<|im_start|>user\nw5 w7<|im_end|>\n<|im_start|>assistant\n"
+    (d / "tokenizer_config.json").unlink()
+    assert load_causal_lm(d).chat_template is None  # no template, not a Gemma: no chat
+    with pytest.raises(ValueError, match="has no chat template"):
+        load_causal_lm(d).chat([{"role": "user", "content": "x"}])
+
+
+def qkv_cli(*args, input=None):
+    return subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, input=input, timeout=300)
+
+
+def test_chat_command_takes_turns_from_its_input():
+    r = qkv_cli("chat", "--max-new-tokens", "5", input="What is the capital of France?\n\n/reset\nHello\n")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip("\n").splitlines()) >= 2  # two replies (blank lines are no turns)
+    err = r.stderr
+    assert "it is a base (pretrained) model, not instruction-tuned" in err and "conversation cleared" in err
+    assert err.count("tokens/s]") == 2 and "decode" in err
+    r = qkv_cli("generate", "--chat", "--system", "Be brief.", "What is the capital of France?", "--max-new-tokens", "3", "--json")
+    got = json.loads(r.stdout)
+    assert got["chat"] is True and len(got["token_ids"]) == 3 and got["prompt_ids"][0] == 2
+    for args, match in (
+        (["generate", "hi", "--system", "x"], "--system has no effect without --chat"),
+        (["generate", "hi", "--min-p", "0", "--temperature", "1"], "--min-p should be in (0, 1]"),
+        (["generate", "hi", "--min-p", "0.1"], "--min-p has no effect with --temperature 0"),
+        (["generate", "hi", "--stop", ""], "--stop should be a non-empty string"),
+        (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty should be a finite number > 0"),
+        (["generate", "--prompt-file", "/nonexistent/p.txt"], "cannot read --prompt-file"),
+        (["generate", "hi", "--prompt-file", "p.txt"], "give PROMPT or --prompt-file, not both"),
+    ):
+        r = qkv_cli(*args)
+        assert r.returncode == 2 and match in r.stderr.strip().splitlines()[-1], (args, r.stderr)
+
+
+def test_generate_reads_a_prompt_file_and_hides_stop_strings(tmp_path):
+    (tmp_path / "p.txt").write_text("The capital of France is\n", encoding="utf-8")
+    a = json.loads(qkv_cli("generate", "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "4", "--json").stdout)
+    b = json.loads(qkv_cli("generate", "The capital of France is\n", "--max-new-tokens", "4", "--json").stdout)
+    assert a["prompt_ids"] == b["prompt_ids"] and a["token_ids"] == b["token_ids"]
+    r = qkv_cli("generate", "The capital of France is", "--max-new-tokens", "24", "--stop", ".")
+    assert r.returncode == 0 and "." not in r.stdout and "stop: stop" in r.stderr

@@ -504,6 +504,10 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
     compiled = step is _compiled_step and fold and mask is None and not dropout_p and COMPILED_ITEMS
     if compiled:
         control_blas_of("scipy.linalg.cython_blas")  # the BLAS numba's np.dot calls: pinned like NumPy's
+        if not all(v_all[idx].flags.c_contiguous for idx in np.ndindex(*v_all.shape[:-2])):
+            # Values seen through a strided view (heads split from (B, S, H, D)): numba's np.dot would
+            # copy every slice it is given (and warn at compile time); one copy here instead.
+            v_all = np.ascontiguousarray(v_all)
 
     def work(bidx, hk, i0, i1):
         n = i1 - i0

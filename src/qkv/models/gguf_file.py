@@ -163,6 +163,7 @@ class GGUFFile:
                 raise ModelError(f"{source}: tensor {name!r} row of {shape[-1]} is not a whole number of {qt.name} blocks")
             nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * type_size if shape else type_size
             self.tensors[name] = (shape, qt, start + offset, nbytes)
+        self.used: set = set()  #: the tensors read so far: a loader refuses a file with tensors it did not read
 
     @property
     def architecture(self) -> str:
@@ -184,10 +185,25 @@ class GGUFFile:
             return default
         return self.metadata[key]
 
+    def number(self, key: str, default=None) -> float | int:
+        """The architecture's number ``key`` (``"{architecture}.{key}"``); required where no ``default``."""
+        full = f"{self.architecture}.{key}"
+        v = self.field(full, default, required=default is None)
+        if isinstance(v, (bool, str, list, np.ndarray)) or v is None:
+            raise ModelError(f"{self.path}: metadata {full!r} should be a number, got {v!r}")
+        return v
+
+    def shape(self, name: str) -> tuple:
+        """The shape of tensor ``name`` (NumPy order), without reading it."""
+        if name not in self.tensors:
+            raise ModelError(f"{self.path}: missing tensor {name!r}")
+        return tuple(self.tensors[name][0])
+
     def tensor(self, name: str, shape: tuple | None = None) -> np.ndarray:
         """The tensor ``name`` as float32, checked against ``shape`` (NumPy order) when given."""
         if name not in self.tensors:
             raise ModelError(f"{self.path}: missing tensor {name!r}")
+        self.used.add(name)
         got, qt, offset, nbytes = self.tensors[name]
         if shape is not None and tuple(got) != tuple(shape):
             raise ModelError(f"{self.path}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(got)}")
@@ -221,13 +237,14 @@ class GGUFFile:
 
         if name not in self.tensors:
             raise ModelError(f"{self.path}: missing tensor {name!r}")
+        self.used.add(name)
         got, qt, offset, nbytes = self.tensors[name]
         if not keep_quantized or qt.name == "F32" or len(got) != 2:
             return self.tensor(name, shape)
         if shape is not None and tuple(got) != tuple(shape):
             raise ModelError(f"{self.path}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(got)}")
         if qt.name not in SUPPORTED:
-            raise ModelError(f"{self.path}: tensor {name!r} is {qt.name}, which qkv does not read (supported: F32, {', '.join(SUPPORTED)})")
+            raise ModelError(f"{self.path}: tensor {name!r} is {qt.name}, which qkv does not keep quantized (supported: F32, {', '.join(SUPPORTED)}); keep_quantized=False dequantizes it to float32 with the gguf package")
         if offset + nbytes > len(self._map):
             raise ModelError(f"{self.path}: truncated file: tensor {name!r} ends past the end of the file")
         raw = np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from .decoder import DecoderConfig, DecoderLayer
+from .errors import ModelError
 
-__all__ = ["config_from_hf", "weights_from_hf"]
+__all__ = ["config_from_hf", "weights_from_hf", "config_from_gguf", "weights_from_gguf"]
 
 
 def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
@@ -63,3 +64,55 @@ def weights_from_hf(t, cfg: DecoderConfig, has):
     embed = t(pre + "wte.weight", (cfg.vocab_size, E))
     positions = t(pre + "wpe.weight", (cfg.max_positions, E))
     return embed, layers, ln("ln_f"), positions
+
+
+def config_from_gguf(g) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a GGUF file of architecture ``gpt2``."""
+    num = g.number
+    E, n, H = int(num("embedding_length")), int(num("block_count")), int(num("attention.head_count"))
+    if H <= 0 or E % H:
+        raise ModelError(f"{g.path}: gpt2.embedding_length {E} is not a whole number of gpt2.attention.head_count {H} heads")
+    return DecoderConfig(
+        family="gpt2",
+        vocab_size=g.shape("token_embd.weight")[0],
+        hidden_size=E,
+        num_layers=n,
+        num_heads=H,
+        num_kv_heads=H,
+        head_dim=E // H,
+        intermediate_size=int(num("feed_forward_length", 4 * E)),
+        norm="layer",
+        norm_eps=float(num("attention.layer_norm_epsilon", 1e-5)),
+        activation="gelu_new",
+        gated_mlp=False,
+        rope=False,
+        windows=(None,) * n,
+        max_positions=g.shape("position_embd.weight")[0],  # the table's rows: the positions the model has
+        query_scale=(E // H) ** -0.5,
+        tie_embeddings="output.weight" not in g.tensors,
+    )
+
+
+def weights_from_gguf(g, cfg: DecoderConfig, *, keep_quantized: bool = True):
+    """``(embed, layers, final_norm, positions, lm_head)`` from llama.cpp's names. Its converter
+    stores the ``Conv1D`` weights transposed, (out, in), as qkv keeps them."""
+    E, F = cfg.hidden_size, cfg.intermediate_size
+
+    def lin(name, n_in, n_out):
+        return g.matrix(name + ".weight", (n_out, n_in), keep_quantized=keep_quantized), g.tensor(name + ".bias", (n_out,))
+
+    def ln(name):
+        return g.tensor(name + ".weight", (E,)), g.tensor(name + ".bias", (E,))
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        w_qkv, b_qkv = lin(p + "attn_qkv", E, 3 * E)
+        w_out, b_out = lin(p + "attn_output", E, E)
+        w_up, b_up = lin(p + "ffn_up", E, F)
+        w_down, b_down = lin(p + "ffn_down", F, E)
+        layers.append(DecoderLayer(attn_norm=ln(p + "attn_norm"), w_qkv=w_qkv, b_qkv=b_qkv, w_out=w_out, b_out=b_out, mlp_norm=ln(p + "ffn_norm"), w_up=w_up, b_up=b_up, w_down=w_down, b_down=b_down))
+    embed = g.matrix("token_embd.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)
+    positions = g.tensor("position_embd.weight", (cfg.max_positions, E))
+    head = None if cfg.tie_embeddings else g.matrix("output.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)
+    return embed, layers, ln("output_norm"), positions, head

@@ -13,10 +13,12 @@ import numpy as np
 
 from .decoder import DecoderConfig, DecoderLayer
 from .errors import ModelError
+from .quants import permute_rows, stack
 
-__all__ = ["FAMILIES", "config_from_hf", "weights_from_hf"]
+__all__ = ["FAMILIES", "GGUF_ARCHITECTURES", "config_from_hf", "weights_from_hf", "config_from_gguf", "weights_from_gguf"]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  #: llama.cpp writes Mistral's models as "llama"
 
 
 def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
@@ -94,3 +96,95 @@ def weights_from_hf(t, cfg: DecoderConfig, bias_all: bool, has):
     embed = t("model.embed_tokens.weight", (cfg.vocab_size, E))
     head = None if cfg.tie_embeddings else t("lm_head.weight", (cfg.vocab_size, E))
     return embed, layers, (t("model.norm.weight", (E,)), None), head
+
+
+def config_from_gguf(g) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a GGUF file of architecture ``llama``, ``qwen2`` or ``qwen3``."""
+    arch, num = g.architecture, g.number
+    E, n = int(num("embedding_length")), int(num("block_count"))
+    H = int(num("attention.head_count"))
+    D = int(num("attention.key_length", num("rope.dimension_count", E // max(H, 1))))
+    if int(num("attention.value_length", D)) != D:
+        raise ModelError(f"{g.path}: {arch}.attention.value_length should equal the key length {D}")
+    if int(num("rope.dimension_count", D)) != D:
+        raise ModelError(f"{g.path}: {arch}.rope.dimension_count {num('rope.dimension_count')} (partial rotary) is not supported: qkv rotates whole heads of {D}")
+    scaling = g.field(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in g.tensors:
+        raise ModelError(f"{g.path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs.weight'}) is not supported (only plain RoPE)")
+    if int(num("expert_count", 0)):
+        raise ModelError(f"{g.path}: a mixture of experts ({arch}.expert_count) is not supported for {arch}")
+    return DecoderConfig(
+        family=arch,
+        vocab_size=g.shape("token_embd.weight")[0],
+        hidden_size=E,
+        num_layers=n,
+        num_heads=H,
+        num_kv_heads=int(num("attention.head_count_kv", H)),
+        head_dim=D,
+        intermediate_size=int(num("feed_forward_length")),
+        norm="rms",
+        norm_eps=float(num("attention.layer_norm_rms_epsilon", 1e-5)),
+        activation="silu",
+        gated_mlp=True,
+        rope=True,
+        rope_bases=(float(num("rope.freq_base", 10000.0)),) * n,
+        windows=(None,) * n,  # llama.cpp keeps no sliding window for these (Mistral 7B v0.1's 4,096 included)
+        max_positions=int(num("context_length", 0)) or None,
+        query_scale=D**-0.5,
+        qk_norm=arch == "qwen3",
+        embed_scale=1.0,
+        tie_embeddings="output.weight" not in g.tensors,
+    )
+
+
+def _unpermute(w, heads: int):  # (heads * D, E) -> (heads * D, E)
+    """Undo llama.cpp's reordering of a query or key projection.
+
+    llama.cpp rotates each adjacent pair of a head's features (GGML's "normal"
+    RoPE), Hugging Face's Llama the two halves (rotate-half), so its converter
+    moves row ``j * D/2 + i`` of each head to ``2i + j``. qkv rotates halves:
+    the rows go back (the blocks of a quantized row move whole).
+    """
+    D = w.shape[0] // heads
+    order = np.arange(heads * D).reshape(heads, D // 2, 2).transpose(0, 2, 1).reshape(-1)  # (H, D/2, 2) -> (H, 2, D/2)
+    return permute_rows(w, order)
+
+
+def weights_from_gguf(g, cfg: DecoderConfig, *, keep_quantized: bool = True):
+    """``(embed, layers, final_norm, lm_head)`` from llama.cpp's tensor names; weight matrices quantized
+    as the file stores them unless ``keep_quantized`` is False."""
+    E, F, D, H, Hk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    permuted = cfg.family == "llama"  # qwen2/qwen3 are written rotate-half (GGML's NeoX RoPE): as they are
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+
+        def w(name, shape):
+            return g.matrix(p + name, shape, keep_quantized=keep_quantized)
+
+        def t(name, shape):
+            return g.tensor(p + name, shape)
+
+        wq, wk = w("attn_q.weight", (H * D, E)), w("attn_k.weight", (Hk * D, E))
+        if permuted:
+            wq, wk = _unpermute(wq, H), _unpermute(wk, Hk)
+        qkv_bias = p + "attn_q.bias" in g.tensors
+        layers.append(
+            DecoderLayer(
+                attn_norm=(t("attn_norm.weight", (E,)), None),
+                w_qkv=stack([wq, wk, w("attn_v.weight", (Hk * D, E))]),
+                b_qkv=np.concatenate([t("attn_q.bias", (H * D,)), t("attn_k.bias", (Hk * D,)), t("attn_v.bias", (Hk * D,))]) if qkv_bias else None,
+                w_out=w("attn_output.weight", (E, H * D)),
+                b_out=t("attn_output.bias", (E,)) if p + "attn_output.bias" in g.tensors else None,
+                mlp_norm=(t("ffn_norm.weight", (E,)), None),
+                w_up=stack([w("ffn_gate.weight", (F, E)), w("ffn_up.weight", (F, E))]),
+                b_up=None,
+                w_down=w("ffn_down.weight", (E, F)),
+                b_down=None,
+                q_norm=t("attn_q_norm.weight", (D,)) if cfg.qk_norm else None,
+                k_norm=t("attn_k_norm.weight", (D,)) if cfg.qk_norm else None,
+            )
+        )
+    embed = g.matrix("token_embd.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)
+    head = None if cfg.tie_embeddings else g.matrix("output.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)
+    return embed, layers, (g.tensor("output_norm.weight", (E,)), None), head

@@ -44,7 +44,7 @@ import numpy as np
 
 from .errors import ModelError
 
-__all__ = ["QuantizedMatrix", "StackedMatrix", "stack", "matmul", "SUPPORTED", "BLOCKS", "dequantize_rows", "kernel_available"]
+__all__ = ["QuantizedMatrix", "StackedMatrix", "stack", "permute_rows", "matmul", "SUPPORTED", "BLOCKS", "dequantize_rows", "kernel_available"]
 
 #: type -> (values a block, bytes a block)
 BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
@@ -249,6 +249,15 @@ def stack(parts):
         joined = QuantizedMatrix(np.concatenate([p.raw for p in parts]), first.qtype, (sum(p.shape[0] for p in parts), first.shape[1]), name=first.name)
         return joined
     return StackedMatrix(parts)
+
+
+def permute_rows(w, order):
+    """Rows of a float32 or quantized matrix (out, in) reordered: ``w[order]`` (a row's blocks move whole)."""
+    if isinstance(w, np.ndarray):
+        return np.ascontiguousarray(w[order])
+    if isinstance(w, QuantizedMatrix):
+        return QuantizedMatrix(w.raw[order], w.qtype, w.shape, name=w.name)
+    raise TypeError(f"w should be a float32 array or a QuantizedMatrix, got {type(w).__name__}")
 
 
 def matmul(x: np.ndarray, w, *, kernel: str | None = None) -> np.ndarray:

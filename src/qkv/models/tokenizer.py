@@ -83,27 +83,37 @@ class TextTokenizer:
         return self.backend.id_to_token(int(i))
 
 
-def _gemma_merges(tokens: list[str]) -> list[tuple[str, str]]:
+def _spm_merges(tokens: list[str], scores) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary that lists none.
 
     SentencePiece's BPE merges, at each step, the adjacent pair whose union
-    is the best-ranked vocabulary entry; Gemma ranks its entries by their
-    place in the file (its scores do not follow the merge order). So every
-    split ``(left, right)`` of an entry with both halves in the vocabulary is
-    a merge, ranked by the entry's place, then longer ``left`` first: the
-    rule transformers applies to the same file.
+    is the best-scored vocabulary entry. So every split ``(left, right)`` of
+    an entry with both halves in the vocabulary is a merge, ranked by the
+    entry's score, then longer ``left`` first: the rule transformers applies
+    to the same file. Gemma's scores do not follow its merge order, its place
+    in the file does: its callers pass ``-place`` as the score.
     """
-    index = {}
-    for i, t in enumerate(tokens):
-        index[t] = i  # a repeated spelling keeps its last place, as a dict built from the list does
+    index, score = {}, {}
+    for i, (t, sc) in enumerate(zip(tokens, scores)):
+        index[t], score[t] = i, float(sc)  # a repeated spelling keeps its last entry, as a dict built from the list does
     ranked = []
-    for t, i in index.items():
+    for t in index:
         for cut in range(len(t) - 1, 0, -1):  # longer left first
             left, right = t[:cut], t[cut:]
             if left in index and right in index:
-                ranked.append((i, left, right))
+                ranked.append((-score[t], left, right))
     ranked.sort(key=lambda m: m[0])  # stable: the longer-left order within an entry stays
     return [(left, right) for _, left, right in ranked]
+
+
+#: How text is split into words before byte-level BPE, by ``tokenizer.ggml.pre`` (llama.cpp's names;
+#: the patterns are those of the models' own tokenizer.json files).
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+BPE_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "gpt-2": None, "default": None}
+
+#: Tokens that end a turn where the file marks them as control tokens (llama.cpp's end-of-generation list).
+_END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<EOT>")
 
 
 #: Bumped when the way a tokenizer is built from a GGUF vocabulary changes: older cached ones are not read.
@@ -153,57 +163,105 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
     """The tokenizer described by a GGUF file's ``tokenizer.ggml.*`` metadata.
 
     Supported: ``tokenizer.ggml.model == "llama"`` (SentencePiece-style BPE
-    given by tokens, scores and token types, with byte fallback), as Gemma
-    files carry it.
+    given by tokens, scores and token types, with byte fallback; Gemma's
+    merges follow the file's order, the others' the scores) and ``"gpt2"``
+    (byte-level BPE given by tokens and merges, the words split as
+    ``tokenizer.ggml.pre`` names: see :data:`BPE_SPLITS`).
     """
     tk = _tokenizers()
     model = gguf.field("tokenizer.ggml.model", required=True)
-    if model != "llama":
-        raise ModelError(f"{source}: tokenizer.ggml.model {model!r} is not supported (qkv reads SentencePiece 'llama' vocabularies)")
+    if model not in ("llama", "gpt2"):
+        raise ModelError(f"{source}: tokenizer.ggml.model {model!r} is not supported (qkv reads SentencePiece 'llama' and byte-level BPE 'gpt2' vocabularies)")
     tokens = list(gguf.field("tokenizer.ggml.tokens", required=True))
     types = gguf.field("tokenizer.ggml.token_type")
     if types is None or len(types) != len(tokens):
         raise ModelError(f"{source}: tokenizer.ggml.token_type should list one type per token ({len(tokens)})")
-    # Gemma stores a token of two or more spaces as real spaces, while the text reaches BPE with
-    # every space turned into U+2581: spell those tokens that way so they can match.
-    tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    types = [int(k) for k in types]
+    gemma = gguf.architecture.startswith("gemma")
+    if model == "llama" and gemma:
+        # Gemma stores a token of two or more spaces as real spaces, while the text reaches BPE with
+        # every space turned into U+2581: spell those tokens that way so they can match.
+        tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     unk = gguf.field("tokenizer.ggml.unknown_token_id")
+    if unk is not None and not 0 <= int(unk) < len(tokens):
+        raise ModelError(f"{source}: tokenizer.ggml.unknown_token_id {int(unk)} is outside the vocabulary of {len(tokens)}")
 
-    def build():
-        bpe = tk.models.BPE(
-            vocab=vocab,
-            merges=_gemma_merges(tokens),
-            unk_token=None if unk is None else tokens[int(unk)],
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-        tok = tk.Tokenizer(bpe)
-        tok.normalizer = tk.normalizers.Replace(" ", "\u2581")
-        tok.decoder = tk.decoders.Sequence([tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()])
-        # Control tokens (<bos>, <start_of_turn>, ...) match whole and are special; user-defined ones
+    def ident(key):
+        v = gguf.field(key)
+        if v is None:
+            return None
+        if isinstance(v, (str, list)) or not 0 <= int(v) < len(tokens):
+            raise ModelError(f"{source}: {key} should be a token id below {len(tokens)}, got {v!r}")
+        return int(v)
+
+    def specials(tok):
+        # Control tokens (<bos>, <|im_start|>, ...) match whole and are special; user-defined ones
         # match whole and are text.
         tok.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL])
         tok.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and vocab.get(t) is not None])
         return tok
 
-    tok = cached_tokenizer(("spm-file-order", model, tokens, list(map(int, types)), unk), build)
+    if model == "llama":
+        if gemma:
+            scores, order = [-i for i in range(len(tokens))], "spm-file-order"
+        else:
+            scores, order = gguf.field("tokenizer.ggml.scores"), "spm-scores"
+            if scores is None or len(scores) != len(tokens):
+                raise ModelError(f"{source}: tokenizer.ggml.scores should list one score per token ({len(tokens)})")
+            scores = [float(x) for x in scores]
 
-    def ident(key):
-        v = gguf.field(key)
-        return None if v is None else int(v)
+        def build():
+            bpe = tk.models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores), unk_token=None if unk is None else tokens[int(unk)], fuse_unk=True, byte_fallback=True)
+            tok = tk.Tokenizer(bpe)
+            if gemma:  # no space before the text
+                tok.normalizer = tk.normalizers.Replace(" ", "\u2581")
+                tok.decoder = tk.decoders.Sequence([tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()])
+            else:  # Llama's SentencePiece: a space before the text, taken off again in decoding
+                tok.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+                tok.decoder = tk.decoders.Sequence([tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse(), tk.decoders.Strip(" ", 1, 0)])
+            return specials(tok)
 
+        description = (order, model, tokens, types, unk, None if gemma else scores)
+    else:
+        merges = gguf.field("tokenizer.ggml.merges")
+        if merges is None:
+            raise ModelError(f"{source}: a 'gpt2' vocabulary needs tokenizer.ggml.merges")
+        pairs = []
+        for m in merges:
+            left, sep, right = str(m).partition(" ")
+            if not sep or not left or not right:
+                raise ModelError(f"{source}: tokenizer.ggml.merges entry {m!r} should be two tokens separated by a space")
+            pairs.append((left, right))
+        pre = str(gguf.field("tokenizer.ggml.pre", "default"))
+        if pre not in BPE_SPLITS:
+            raise ModelError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; qkv splits words as {', '.join(map(repr, BPE_SPLITS))}")
+
+        def build():
+            tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=BPE_SPLITS[pre] is _LLAMA3_SPLIT))  # Llama 3 takes a word in the vocabulary whole
+            if BPE_SPLITS[pre] is None:  # GPT-2's own split
+                tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            else:
+                tok.pre_tokenizer = tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(BPE_SPLITS[pre]), behavior="isolated"), tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            if BPE_SPLITS[pre] is _QWEN2_SPLIT:
+                tok.normalizer = tk.normalizers.NFC()
+            tok.decoder = tk.decoders.ByteLevel()
+            return specials(tok)
+
+        description = ("bpe", model, pre, tokens, types, pairs)
+    tok = cached_tokenizer(description, build)
     bos, eos = ident("tokenizer.ggml.bos_token_id"), ident("tokenizer.ggml.eos_token_id")
-    extra = [vocab[t] for t in ("<end_of_turn>",) if t in vocab]  # Gemma's chat turns end generation too
+    ends = [ident(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    ends += [vocab[t] for t in _END_OF_TURN if t in vocab and types[vocab[t]] == _CONTROL]  # a chat turn's end stops generation too
     return TextTokenizer(
         tok,
         bos_id=bos,
         eos_id=eos,
         pad_id=ident("tokenizer.ggml.padding_token_id"),
-        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", True)),
-        eos_ids=extra,
+        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", model == "llama")),
+        eos_ids=[e for e in dict.fromkeys(ends) if e is not None],
     )
 
 

@@ -1,0 +1,164 @@
+"""GGUF files of every family qkv runs (llama, mistral as llama, qwen2, qwen3, gpt2), written as llama.cpp
+lays them out (tests/gguf_writer.py, the gguf package's writer), read by qkv and by transformers' GGUF
+loader (the oracle): logits, greedy text and tokenizers equal, quantized or not."""
+
+import numpy as np
+import pytest
+
+import gguf_writer
+from qkv.models import ModelError, load_causal_lm
+
+TEXTS = ["", "The capital of France is Paris.", "  two spaces and\ttabs\n\nnewlines", "def add(a, b):\n    return a + b  # 12345",
+         "Straße München café 日本語 😀", "<|im_start|>user\nhi<|im_end|>", "the cat sat on the mat"]  # fmt: skip
+
+
+def _model(arch, torch, vocab_size, *, big=False, **over):
+    """A random tiny transformers model; ``big``: rows of 256 and more, for K-quant blocks."""
+    import transformers as tf
+
+    E, F = (256, 512) if big else (32, 64)
+    common = dict(vocab_size=vocab_size, hidden_size=E, intermediate_size=F, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=5000.0, tie_word_embeddings=False)
+    elif arch == "mistral":  # llama.cpp writes Mistral as "llama"; the sliding window stays behind
+        cfg = tf.MistralConfig(**common, tie_word_embeddings=False)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
+    elif arch == "qwen3":  # transformers' GGUF reader takes the head size from Qwen3's default: 128
+        cfg = tf.Qwen3Config(**common, head_dim=128, tie_word_embeddings=False)
+    elif arch == "gpt2":  # and GPT-2's context length from its default: 1024
+        cfg = tf.GPT2Config(vocab_size=vocab_size, n_embd=E, n_layer=2, n_head=4, n_positions=1024)
+    cfg.update(over)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # random norms and biases, so that one read wrongly shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _hf_from_gguf(torch, path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return gguf_writer.byte_level_vocab()
+
+
+@pytest.mark.parametrize("outtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("family", list(ARCH))
+def test_gguf_family_equals_transformers(family, outtype, torch, tmp_path, bpe):
+    model = _model(family, torch, len(bpe[0]))
+    path = tmp_path / f"{family}-{outtype}.gguf"
+    gguf_writer.write(model, path, arch=ARCH[family], outtype=outtype, vocab=bpe)
+    lm = load_causal_lm(path)
+    assert lm.config.family == ARCH[family] and lm.config.num_layers == 2
+    hf = _hf_from_gguf(torch, path)
+    ids = np.random.default_rng(0).integers(0, len(bpe[0]) - 3, size=(2, 14))
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+        if outtype == "F32":  # the file is the model: transformers' reading of it gives the original back
+            np.testing.assert_allclose(model(torch.tensor(ids)).logits.numpy(), want, atol=1e-5, rtol=0)
+    got = lm(ids)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    prompt = ids[0, :5].tolist()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    assert lm.generate(prompt, max_new_tokens=12, stop_at_eos=False).token_ids == ref
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_gguf_kquant_family_equals_transformers(family, qtype, torch, tmp_path, bpe):
+    model = _model(family, torch, len(bpe[0]), big=True)
+    path = tmp_path / f"{family}-{qtype}.gguf"
+    gguf_writer.write(model, path, arch=ARCH[family], outtype=qtype, vocab=bpe, rng=np.random.default_rng(1))
+    lm = load_causal_lm(path)  # blocks kept: qkv's products decode them
+    assert any(getattr(w, "qtype", None) == qtype for w in vars(lm.layers[0]).values())
+    hf = _hf_from_gguf(torch, path)  # dequantized by the gguf package
+    ids = np.random.default_rng(0).integers(0, len(bpe[0]) - 3, size=(1, 9))
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    got = lm(ids)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=2e-5 * max(1.0, scale), rtol=0)
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    np.testing.assert_allclose(load_causal_lm(path, keep_quantized=False)(ids), got, atol=2e-5 * max(1.0, scale), rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_gguf_byte_level_tokenizer_equals_transformers(arch, torch, tmp_path, bpe):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / f"{arch}.gguf"
+    gguf_writer.write(_model(arch, torch, len(bpe[0])), path, arch=arch, vocab=bpe)
+    lm = load_causal_lm(path)
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        ids = lm.tokenizer.encode(text, add_bos=False)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert lm.tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert lm.tokenizer.token(lm.tokenizer.eos_id) == "<|endoftext|>"
+    assert bpe[0].index("<|im_end|>") in lm.tokenizer.eos_ids  # a chat turn's end stops generation
+
+
+def test_gguf_sentencepiece_tokenizer_equals_transformers(torch, tmp_path):
+    from transformers import AutoTokenizer
+
+    vocab = gguf_writer.sentencepiece_vocab()
+    path = tmp_path / "spm.gguf"
+    gguf_writer.write(_model("llama", torch, len(vocab[0])), path, arch="llama", vocab=vocab, spm=True)
+    lm = load_causal_lm(path)
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert lm.tokenizer.bos_id == 1 and lm.tokenizer.add_bos
+    for text in TEXTS:
+        ids = lm.tokenizer.encode(text)
+        assert ids == ref.encode(text), text
+        assert lm.tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+
+
+def test_gguf_chat_template_from_the_file(torch, tmp_path, bpe):
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    path = tmp_path / "chat.gguf"
+    gguf_writer.write(_model("qwen2", torch, len(bpe[0])), path, arch="qwen2", vocab=bpe, chat_template=template)
+    lm = load_causal_lm(path)
+    assert lm.instruction_tuned
+    text = lm.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert lm.tokenizer.encode(text, add_bos=False)[0] == bpe[0].index("<|im_start|>")  # a special token, whole
+
+
+def test_gguf_family_errors(torch, tmp_path, bpe):
+    model = _model("llama", torch, len(bpe[0]))
+    path = tmp_path / "ok.gguf"
+    gguf_writer.write(model, path, arch="llama", vocab=bpe)
+    raw = path.read_bytes()
+    # The data cut short: the tensor past the end is named.
+    (tmp_path / "short.gguf").write_bytes(raw[: len(raw) - 4000])
+    with pytest.raises(ModelError, match="truncated file: tensor"):
+        load_causal_lm(tmp_path / "short.gguf")
+    # An architecture qkv does not run.
+    i = raw.find(b"llama", 0, 256)
+    (tmp_path / "arch.gguf").write_bytes(raw[:i] + b"mamba" + raw[i + 5 :])
+    with pytest.raises(ModelError, match="architecture 'mamba' is not supported"):
+        load_causal_lm(tmp_path / "arch.gguf")
+    # A quantization qkv does not read (Q2_K): the tensor and its type named, on either path.
+    big = _model("llama", torch, len(bpe[0]), big=True)
+    gguf_writer.write(big, tmp_path / "q2k.gguf", arch="llama", outtype="Q2_K", vocab=bpe, rng=np.random.default_rng(0))
+    with pytest.raises(ModelError, match=r"q2k.gguf: tensor '.*' is Q2_K, which qkv does not keep quantized .* keep_quantized=False"):
+        load_causal_lm(tmp_path / "q2k.gguf")
+    # A byte-level vocabulary split by a rule qkv does not know.
+    other = tmp_path / "pre.gguf"
+    (other).write_bytes(raw.replace(b"llama-bpe", b"tekkenxyz", 1))
+    with pytest.raises(ModelError, match="tokenizer.ggml.pre 'tekkenxyz' is not supported"):
+        load_causal_lm(other)

@@ -149,8 +149,9 @@ def test_bad_token_input(gemma):
         gemma([1.5, 2.0])
     with pytest.raises(TypeError, match="input_ids should be integers"):
         gemma.generate([2.0, 818.7])  # never truncated to [2, 818]
-    with pytest.raises(ValueError, match="prompt should be text or a 1-D sequence"):
-        gemma.generate([[2, 818]])
+    with pytest.raises(ValueError, match=r"prompt\[0\] should be text or a 1-D sequence"):
+        gemma.generate([[[2, 818]]])
+    assert [o.prompt_ids for o in gemma.generate(np.array([[2, 818]]), max_new_tokens=1)] == [[2, 818]]  # (B, L): a batch
     assert gemma.generate(np.array([2, 818]), max_new_tokens=1).prompt_ids == [2, 818]
 
 
@@ -340,3 +341,53 @@ def test_each_new_family_needs_its_attention_variant(family, remove, torch, tmp_
         np.testing.assert_allclose(lm._alibi, [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])  # BLOOM's slopes for 4 heads
         lm._alibi = None
     assert np.abs(lm(ids) - want).max() > 1e-3
+
+
+# ------------------------------------------------------------------ batched generation
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2", "gpt_oss", "bloom"])
+def test_batched_greedy_equals_each_single_run(family, torch, tmp_path):
+    """Prompts of different lengths, left-padded in one batch: each row's tokens are its own run's, and
+    the logits of the padded pass equal transformers' with the same attention mask."""
+    model, d = _tiny(family, torch, tmp_path)
+    lm = load_causal_lm(d)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 97, size=n).tolist() for n in (3, 9, 6)]  # gemma3's window (4) crossed
+    outs = lm.generate(prompts, max_new_tokens=10, stop_at_eos=False)
+    assert [o.token_ids for o in outs] == [lm.generate(p, max_new_tokens=10, stop_at_eos=False).token_ids for p in prompts]
+    assert all(o.prompt_ids == p and o.timings["batch"] == 3 for o, p in zip(outs, prompts))
+    # The padded forward pass against transformers' with the same mask (positions from the mask).
+    width = 9
+    ids = np.zeros((3, width), np.int64)
+    mask = np.zeros((3, width), np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :], mask[b, width - len(p) :] = p, 1
+    got = lm.forward(ids, attention_mask=mask).logits
+    pos = np.maximum(mask.cumsum(1) - 1, 0)
+    with torch.no_grad():
+        kw = {} if family in ("bloom",) else {"position_ids": torch.tensor(pos)}
+        want = model(torch.tensor(ids), attention_mask=torch.tensor(mask), **kw).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
+
+
+def test_batched_generation_stops_each_row_on_its_own(gemma):
+    outs = gemma.generate(["The capital of France is", "Hello", "1, 2, 3, 4,"], max_new_tokens=6, stop=[","])
+    singles = [gemma.generate(p, max_new_tokens=6, stop=[","]) for p in ["The capital of France is", "Hello", "1, 2, 3, 4,"]]
+    assert [(o.text, o.token_ids, o.stop_reason) for o in outs] == [(o.text, o.token_ids, o.stop_reason) for o in singles]
+    assert gemma.generate(["one prompt"], max_new_tokens=2)[0].token_ids == gemma.generate("one prompt", max_new_tokens=2).token_ids
+
+
+def test_attention_mask_and_batch_errors(gemma):
+    ids = np.array([[2, 100, 200]])
+    with pytest.raises(TypeError, match="attention_mask should be bool or 0/1"):
+        gemma.forward(ids, attention_mask=np.array([[0.0, 1.0, 1.0]]))
+    with pytest.raises(TypeError, match="values other than 0 and 1"):
+        gemma.forward(ids, attention_mask=np.array([[0, 2, 1]]))
+    with pytest.raises(ValueError, match=r"attention_mask shape should be \(B, cached \+ new\) = \(1, 3\), got \(1, 2\)"):
+        gemma.forward(ids, attention_mask=np.ones((1, 2), bool))
+    with pytest.raises(ValueError, match=r"prompt\[1\] is empty"):
+        gemma.generate(["a", []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="on_token streams one prompt"):
+        gemma.generate(["a", "b"], max_new_tokens=2, on_token=print)

@@ -196,6 +196,15 @@ class CausalLMOutput:
 
 
 @dataclass
+class _Run:
+    """One prompt's generation: its ids, the new tokens, why it stopped (None: still going)."""
+
+    prompt: list
+    new: list = field(default_factory=list)
+    reason: str | None = None
+
+
+@dataclass
 class GenerateOutput:
     """What :meth:`CausalLM.generate` returns.
 
@@ -314,7 +323,7 @@ class CausalLM:
         unbatched = ids.ndim == 1
         return ids.astype(np.int64)[None] if unbatched else ids.astype(np.int64), unbatched
 
-    def forward(self, input_ids, cache: KVCache | None = None, *, output_attentions: bool = False, output_hidden_states: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
+    def forward(self, input_ids, cache: KVCache | None = None, *, attention_mask=None, output_attentions: bool = False, output_hidden_states: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
         """Run the model over ``input_ids`` (after what ``cache`` holds).
 
         Parameters
@@ -327,6 +336,12 @@ class CausalLM:
         output_attentions : bool
             Also return every layer's weights (the direct path: L x S per head).
         output_hidden_states : bool
+        attention_mask : array_like of bool or 0/1, shape (B, S + L), optional
+            Which tokens are real (True / 1) and which are padding, over what
+            the cache holds and these ids, as transformers takes it. Padding
+            is never attended to, and each row's positions count its real
+            tokens only (``cumsum - 1``): a left-padded row computes what it
+            would alone. A padding query attends to nothing (zeros).
         logits_to_keep : int
             Only the last ``n`` positions' logits (0: all). Generation needs
             only the last: it skips a (L, V) product.
@@ -346,7 +361,19 @@ class CausalLM:
         if cfg.max_positions and start + L > cfg.max_positions:
             raise ValueError(f"the sequence would reach {start + L} tokens, past this model's {cfg.max_positions} positions")
         Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        pos = np.arange(start, start + L)
+        pos = np.arange(start, start + L)  # (L,)
+        rope_pos = pos
+        key_mask = None
+        if attention_mask is not None:
+            real = np.asarray(attention_mask)
+            if real.dtype.kind not in "biu" or (real.dtype.kind != "b" and not np.isin(real, (0, 1)).all()):
+                raise TypeError(f"attention_mask should be bool or 0/1 (True / 1 = a real token), got dtype {real.dtype}" + ("" if real.dtype.kind not in "biu" else " with values other than 0 and 1"))
+            if real.shape != (B, start + L):
+                raise ValueError(f"attention_mask shape should be (B, cached + new) = {(B, start + L)}, got {real.shape}")
+            real = real.astype(bool)
+            pos = np.maximum(np.cumsum(real, axis=1) - 1, 0)[:, start:]  # (B, L): positions count real tokens
+            rope_pos = pos[:, None, :]  # (B, 1, L): broadcast over heads
+            key_mask = real[:, None, None, :]  # (B, 1, 1, S + L)
         h = self.embed[ids] if isinstance(self.embed, np.ndarray) else self.embed.take(ids)  # (B, L, E), a copy
         if cfg.embed_scale != 1.0:
             h *= self._embed_scale
@@ -369,7 +396,7 @@ class CausalLM:
             if cfg.rope:
                 base = cfg.rope_bases[i]
                 if base not in angles:  # shared by the layers with this base
-                    angles[base] = rope_angles(pos, D, base, frequencies=self._rope_freqs, attention_factor=cfg.rope_attention_factor)
+                    angles[base] = rope_angles(rope_pos, D, base, frequencies=self._rope_freqs, attention_factor=cfg.rope_attention_factor)
                 q = apply_rope(q, angles=angles[base])
                 k = apply_rope(k, angles=angles[base])
             if cache is not None:
@@ -377,6 +404,7 @@ class CausalLM:
             window = cfg.windows[i]
             res = scaled_dot_product_attention(
                 q, k, v,
+                mask=None if key_mask is None else key_mask[..., -k.shape[-2] :],  # the keys this layer kept
                 is_causal=True,
                 window=None if window is None else (window - 1, 0),
                 scale=cfg.query_scale,
@@ -479,8 +507,11 @@ class CausalLM:
 
         Parameters
         ----------
-        prompt : str or sequence of int
-            Text (tokenized with BOS as the model expects) or token ids.
+        prompt : str or sequence of int, or a list of them
+            Text (tokenized with BOS as the model expects) or token ids. A
+            list of prompts is a batch: run together, left-padded, each as it
+            would run alone (greedy output identical; a sample draws from one
+            generator for the whole batch).
         max_new_tokens : int, default 32
         temperature : float, default 0.0
             0 picks the most likely token (greedy); above 0, sample from
@@ -509,7 +540,7 @@ class CausalLM:
 
         Returns
         -------
-        GenerateOutput
+        GenerateOutput, or a list of them for a batch
 
         Examples
         --------
@@ -518,6 +549,8 @@ class CausalLM:
         >>> out = lm.generate("The capital of France is", max_new_tokens=4)
         >>> out.text
         ' the capital of the'
+        >>> [o.text for o in lm.generate(["The capital of France is", "1, 2, 3,"], max_new_tokens=4)]
+        [' the capital of the', ' 4, ']
         """
         from .sampling import check_penalty, check_sampling, next_token, penalize
 
@@ -533,60 +566,90 @@ class CausalLM:
             if seed is None:
                 raise ValueError("seed is required when temperature > 0 (an int or a numpy.random.Generator): sampling is deterministic for a seed")
             rng = as_rng(seed, "seed")
+        batched = (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt)) or (isinstance(prompt, np.ndarray) and prompt.ndim == 2)
+        if batched:
+            if on_token is not None:
+                raise ValueError("on_token streams one prompt's tokens: generate a batch without it")
+            rows = [self._prompt_ids(p, f"prompt[{b}]") for b, p in enumerate(prompt)]
+        else:
+            rows = [self._prompt_ids(prompt, "prompt")]
+        eos = set(self.tokenizer.eos_ids if self.tokenizer is not None else ())
+        n = len(rows)
+        runs = [_Run(r) for r in rows]
+        t0 = time.perf_counter()
+        t_first = None
+        if max_new_tokens:
+            cache = self.new_cache()
+            if n == 1:  # no padding: the plain path
+                mask = None
+                logits = self.forward(rows[0], cache, logits_to_keep=1).logits[:, -1]  # (1, V)
+            else:  # left padding: every row's last prompt token in the last column
+                width = max(map(len, rows))
+                pad = self.tokenizer.pad_id if self.tokenizer is not None and self.tokenizer.pad_id is not None else 0
+                ids = np.full((n, width), pad, np.int64)
+                mask = np.zeros((n, width), bool)
+                for b, r in enumerate(rows):
+                    ids[b, width - len(r) :], mask[b, width - len(r) :] = r, True
+                logits = self.forward(ids, cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]  # (n, V)
+            t_first = time.perf_counter()
+            while True:
+                toks = []
+                for b, run in enumerate(runs):
+                    if run.reason is None:
+                        lg = penalize(logits[b], run.prompt + run.new, repetition_penalty)
+                        tok = next_token(lg, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
+                        run.new.append(tok)
+                        if on_token is not None:
+                            on_token(tok)
+                        if stop_at_eos and tok in eos:
+                            run.reason = "eos"
+                        elif stop and any(x in self.tokenizer.decode(run.new[-64:]) for x in stop):  # a stop string ends within the last tokens
+                            run.reason = "stop"
+                        elif len(run.new) >= max_new_tokens:
+                            run.reason = "length"
+                    toks.append(run.new[-1])  # a finished row repeats its last token, never read
+                if all(run.reason is not None for run in runs):
+                    break
+                if self.config.max_positions and len(cache) + 1 > self.config.max_positions:
+                    break
+                if mask is not None:
+                    mask = np.concatenate([mask, np.ones((n, 1), bool)], axis=1)
+                logits = self.forward(np.array(toks)[:, None], cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]
+        t1 = time.perf_counter()
+        prefill = (t_first or t1) - t0
+        decode = t1 - (t_first or t1)
+        outs = []
+        for run in runs:
+            text = self.tokenizer.decode(run.new) if self.tokenizer is not None else ""
+            reason = run.reason or "length"
+            if reason == "stop":
+                text = text[: min(text.find(x) for x in stop if x in text)]
+            steps = max(map(len, (r.new for r in runs)))  # the batch decoded together: its steps, its time
+            outs.append(GenerateOutput(
+                text=text,
+                token_ids=run.new,
+                prompt_ids=list(run.prompt),
+                stop_reason=reason,
+                timings={
+                    "prompt_tokens": len(run.prompt),
+                    "new_tokens": len(run.new),
+                    "prefill_s": prefill,
+                    "decode_s": decode,
+                    "decode_tokens_per_s": (len(run.new) - 1) / decode if len(run.new) > 1 and decode > 0 and steps == len(run.new) else None,
+                    **({"batch": n} if n > 1 else {}),
+                },
+            ))  # fmt: skip
+        return outs if batched else outs[0]
+
+    def _prompt_ids(self, prompt, name: str) -> list:
+        """A prompt's token ids: text tokenized (BOS as the model expects), ids checked."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
             prompt = self.tokenizer.encode(prompt)
         if np.size(prompt) == 0:
-            raise ValueError("prompt is empty: give some text (or at least one token id)")
+            raise ValueError(f"{name} is empty: give some text (or at least one token id)")
         ids, unbatched = self._ids(prompt)  # integers in range (floats are an error, never truncated)
         if not unbatched:
-            raise ValueError(f"prompt should be text or a 1-D sequence of token ids, got shape {np.shape(prompt)}")
-        prompt_ids = ids[0].tolist()
-        eos = set(self.tokenizer.eos_ids if self.tokenizer is not None else ())
-        new: list[int] = []
-        reason = "length"
-        cache = self.new_cache()
-        t0 = time.perf_counter()
-        t_first = None
-        if max_new_tokens:
-            logits = self.forward(prompt_ids, cache, logits_to_keep=1).logits[0, -1]
-            t_first = time.perf_counter()
-            while True:
-                logits = penalize(logits, prompt_ids + new, repetition_penalty)
-                tok = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
-                new.append(tok)
-                if on_token is not None:
-                    on_token(tok)
-                if stop_at_eos and tok in eos:
-                    reason = "eos"
-                    break
-                if stop:
-                    tail = self.tokenizer.decode(new[-64:])  # a stop string ends within the last tokens
-                    if any(x in tail for x in stop):
-                        reason = "stop"
-                        break
-                if len(new) >= max_new_tokens:
-                    break
-                if self.config.max_positions and len(cache) + 1 > self.config.max_positions:
-                    break
-                logits = self.forward([tok], cache, logits_to_keep=1).logits[0, -1]
-        t1 = time.perf_counter()
-        prefill = (t_first or t1) - t0
-        decode = t1 - (t_first or t1)
-        text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
-        if reason == "stop":
-            text = text[: min(text.find(x) for x in stop if x in text)]
-        return GenerateOutput(
-            text=text,
-            token_ids=new,
-            prompt_ids=list(prompt_ids),
-            stop_reason=reason,
-            timings={
-                "prompt_tokens": len(prompt_ids),
-                "new_tokens": len(new),
-                "prefill_s": prefill,
-                "decode_s": decode,
-                "decode_tokens_per_s": (len(new) - 1) / decode if len(new) > 1 and decode > 0 else None,
-            },
-        )
+            raise ValueError(f"{name} should be text or a 1-D sequence of token ids, got shape {np.shape(prompt)}")
+        return ids[0].tolist()

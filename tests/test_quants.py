@@ -111,12 +111,18 @@ def test_the_real_file_kept_quantized_follows_its_dequantized_twin(gemma_pair):
     stay within float32 rounding of the dequantized model's, and the next token agrees along a long text."""
     quant, full = gemma_pair
     assert quant.nbytes < 0.3 * full.nbytes
-    text = " ".join(["The history of the city begins with a small settlement by the river, where traders met to exchange salt and grain."] * 6)
-    ids = quant.tokenizer.encode(text)[:160]
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "walkthrough.md").read_text(encoding="utf-8")  # prose, formulas, code
+    ids = quant.tokenizer.encode(text)[:700]
+    assert len(ids) == 700
     a, b = quant(ids), full(ids)
     assert np.abs(a - b).max() < 2e-3 * np.abs(b).max()
-    agree = (a.argmax(-1) == b.argmax(-1)).mean()
-    assert agree == 1.0, agree
+    # The next token agrees at every position, but where the dequantized model's top two are within
+    # float32 rounding of each other (then either is the same model's answer).
+    top2 = np.sort(b, axis=-1)[:, -2:]
+    differ = a.argmax(-1) != b.argmax(-1)
+    assert np.all(top2[differ, 1] - top2[differ, 0] < 1e-3 * np.abs(b).max()), np.flatnonzero(differ)
     assert quant.generate("The capital of France is", max_new_tokens=24).token_ids == full.generate("The capital of France is", max_new_tokens=24).token_ids
 
 

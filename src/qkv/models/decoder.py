@@ -412,12 +412,12 @@ class CausalLM:
                 sinks=layer.sinks,
                 alibi_slopes=self._alibi,
                 return_weights=output_attentions,
-                # In the calling thread, BLAS threading each block's products: between the layers'
-                # large BLAS-threaded matrix products, handing the tiles to qkv's pool instead made
-                # a 1,000-token Gemma 3 prefill 12 % slower (median 2.25 s vs 2.01 s, the two
-                # alternated in one process): BLAS's idle threads still spin on the cores the
-                # pool's workers need.
-                workers=1,
+                # Tiles on qkv's pool (BLAS pinned to one thread a worker). In the calling thread
+                # instead, the compiled tiles' products ran on SciPy's own OpenBLAS (numba's np.dot)
+                # with all its threads, which then spin for a while and halved the speed of the
+                # layer's next NumPy matrix products: a 1,000-token Gemma 3 prefill took 3.7 s
+                # instead of 1.8 (2 threads, medians of 4).
+                workers=None,
             )
             o, w = res if output_attentions else (res, None)
             o = o.swapaxes(1, 2).reshape(B, L, Hq * D)  # (B, L, Hq D): heads merged

@@ -133,7 +133,7 @@ def test_gguf_tokenizers_are_cached_and_read_back_the_same(tmp_path, monkeypatch
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
     first = load_causal_lm().tokenizer
     assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 1
-    monkeypatch.setattr(tokenizer, "_gemma_merges", lambda tokens: (_ for _ in ()).throw(AssertionError("rebuilt")))
+    monkeypatch.setattr(tokenizer, "_spm_merges", lambda tokens, scores: (_ for _ in ()).throw(AssertionError("rebuilt")))
     second = load_causal_lm().tokenizer  # from the cache: the merges are not recovered again
     text = "Hello  world, café  naïve\n  <start_of_turn>user\nx"
     assert second.encode(text) == first.encode(text) and second.decode(first.encode(text)) == first.decode(first.encode(text))

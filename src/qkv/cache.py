@@ -87,6 +87,11 @@ class LayerCache:
         self._start = min(self._start, self._end)
         self.seen = length
 
+    def reorder(self, rows) -> None:
+        """Keep batch rows ``rows`` (the first axis), in this order: beam search's surviving beams."""
+        if self._k is not None:
+            self._k, self._v = np.take(self._k, rows, axis=0), np.take(self._v, rows, axis=0)
+
     def _crop_problem(self, length: int) -> str | None:
         """Why :meth:`crop` to ``length`` cannot be done, or None."""
         if length > self.seen:
@@ -191,6 +196,26 @@ class KVCache:
         """Forget every token of every layer (a new conversation); the windows stay."""
         for c in self.layers:
             c.reset()
+
+    def reorder(self, rows) -> None:
+        """Keep batch rows ``rows`` of every layer, in this order (Hugging Face's ``reorder_cache``: beam
+        search continues the beams it picked, some twice, some not at all).
+
+        >>> import numpy as np
+        >>> from qkv import KVCache
+        >>> cache = KVCache(num_layers=1)
+        >>> k = np.arange(3.0).reshape(3, 1, 1)  # (B, S, D): row b holds b
+        >>> _ = cache.update(0, k, k)
+        >>> cache.reorder([2, 2, 0]); cache.update(0, np.zeros((3, 1, 1)), np.zeros((3, 1, 1)))[0][:, 0, 0]
+        array([2., 2., 0.])
+        """
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise TypeError(f"rows should be a 1-D array of integer batch rows, got {rows.dtype} of shape {rows.shape}")
+        for c in self.layers:
+            if c._k is not None and rows.size and not (0 <= rows.min() and rows.max() < c._k.shape[0]):
+                raise ValueError(f"rows should lie in [0, {c._k.shape[0] - 1}] (the cached batch), got {rows.min()}..{rows.max()}")
+            c.reorder(rows)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens of every layer (undo the last ``len(self) - length``).

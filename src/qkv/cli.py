@@ -769,15 +769,26 @@ def cmd_train(args) -> int:
     files = [model.save(out_dir / "model.safetensors")] if save else []
     files.append(plots.save(plots.plot_training(res.history, title=f"{args.task}: training loss and accuracy (held-out accuracy {res.accuracy:.3f})"), out_dir / "loss.png"))
     x, _, _ = tr.make_batch(args.task, 1, np.random.default_rng([args.seed, 4]))
-    _, _, weights = model.forward(x, want_weights=True)  # per layer (1, H, T, T)
-    tokens = [str(t) for t in x[0]]
     from . import explorer, masks
 
-    T = len(tokens)
-    for i, w in enumerate(weights):
-        fig = plots.plot_attention(w[0], tokens, mask=masks.causal(T), title=tr.layer_title(args.task, i, len(weights), strongest), annotate=False)
-        files.append(plots.save(fig, out_dir / f"heads_layer{i}.png"))
-    files.append(explorer.write_html(out_dir / "heads.html", [w[0] for w in weights], tokens, mask=masks.causal(T), title=f"qkv train {args.task}: the learned heads"))
+    if args.task in tr.SEQ2SEQ:  # the cross-attention of each decoder layer: target words (rows) over source words
+        src = x[0]
+        _, _, seen = model.forward(x, want_weights=True)
+        source = [f"s{t}" for t in src[0]]
+        target = [f"t{t}" for t in tr.dictionary(task.vocab)[src[0, ::-1]]]  # what each row predicts
+        for i, w in enumerate(seen["cross"]):
+            fig = plots.plot_attention(w[0], source, query_tokens=target, title=tr.layer_title(args.task, i, len(seen["cross"]), strongest) + " (cross-attention)", annotate=False)
+            files.append(plots.save(fig, out_dir / f"cross_layer{i}.png"))
+        files.append(explorer.write_html(out_dir / "heads.html", [w[0] for w in seen["cross"]], target, key_tokens=source,
+                                         layer_names=[f"cross {i}" for i in range(len(seen["cross"]))], title=f"qkv train {args.task}: the learned cross-attention"))  # fmt: skip
+    else:
+        _, _, weights = model.forward(x, want_weights=True)  # per layer (1, H, T, T)
+        tokens = [str(t) for t in x[0]]
+        T = len(tokens)
+        for i, w in enumerate(weights):
+            fig = plots.plot_attention(w[0], tokens, mask=masks.causal(T), title=tr.layer_title(args.task, i, len(weights), strongest), annotate=False)
+            files.append(plots.save(fig, out_dir / f"heads_layer{i}.png"))
+        files.append(explorer.write_html(out_dir / "heads.html", [w[0] for w in weights], tokens, mask=masks.causal(T), title=f"qkv train {args.task}: the learned heads"))
     result = {"task": args.task, "steps": res.steps, "accuracy": res.accuracy, "loss": res.loss, "seconds": round(res.seconds, 2),
               "heads": {name: np.round(s, 3).tolist() for name, s in scores.items()},
               "strongest": {name: {"layer": lay, "head": h, "score": round(sc, 3)} for name, (lay, h, sc) in strongest.items()},
@@ -910,11 +921,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Train a 2-layer attention-only transformer on TASK with qkv's own gradients (no autograd), "
             "print progress, and write the loss curve, the learned heads (PNG and an HTML explorer) and the "
-            "weights (safetensors, loadable with qkv.train.load) to --out."
+            "weights (safetensors, loadable with qkv.train.load) to --out. TASK translate trains an "
+            "encoder-decoder instead, and pictures its cross-attention: the alignment of target and source words."
         ),
     )
-    trn.add_argument("task", nargs="?", default="induction", metavar="TASK", help="induction (default) or reverse")
-    trn.add_argument("--steps", type=int, help="optimizer steps (default: 1500 for induction, 300 for reverse)")
+    trn.add_argument("task", nargs="?", default="induction", metavar="TASK", help="induction (default), reverse or translate (an encoder-decoder)")
+    trn.add_argument("--steps", type=int, help="optimizer steps (default: 1500 for induction, 300 for reverse, 400 for translate)")
     trn.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0): the same seed gives the same weights")
     trn.add_argument("--out", default="qkv-train", help="folder for the pictures and weights (default ./qkv-train/)")
     trn.add_argument("--json", action="store_true", help="print the final metrics as JSON (progress goes to stderr)")

@@ -21,6 +21,12 @@ Tasks (each a seeded generator of token sequences, with the positions to score):
   current token.
 - ``reverse``: a sequence, a separator, then the sequence reversed: one
   head learns the anti-diagonal.
+- ``translate``: the third kind of attention. An encoder reads 10 source
+  words; a decoder writes their translation, word by word through a fixed
+  dictionary and in reverse order (:class:`TinySeq2Seq`). Only
+  cross-attention can tell the decoder which source word comes next: it
+  learns the alignment, the anti-diagonal from each target word to its
+  source word.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from ._checks import as_rng, check_int
 from .layers import MultiHeadAttention
 from .nn import AdamW, cross_entropy, embedding, embedding_vjp, layer_norm, layer_norm_vjp, mlp, mlp_vjp
 
-__all__ = ["TASKS", "ModelConfig", "TinyTransformer", "make_batch", "train", "TrainResult", "load", "head_scores", "evaluate"]
+__all__ = ["TASKS", "ModelConfig", "TinyTransformer", "TinySeq2Seq", "make_batch", "train", "TrainResult", "load", "head_scores", "evaluate", "dictionary"]
 
 
 def __dir__():
@@ -56,7 +62,19 @@ class Task:
 TASKS = {
     "induction": Task("induction", 32, 32, "noise, a segment of distinct tokens, the segment again: predict the repeat"),
     "reverse": Task("reverse", 18, 24, "12 tokens, a separator, the 12 tokens reversed: predict the reversal"),
+    "translate": Task("translate", 21, 10, "10 source words translated word by word and in reverse order: an encoder-decoder, cross-attention learns the alignment"),
 }
+SEQ2SEQ = {"translate"}  #: tasks of an encoder and a decoder (:class:`TinySeq2Seq`); the others are decoder-only
+
+
+def dictionary(vocab: int) -> np.ndarray:  # (vocab - 1,): source word -> target word
+    """The ``translate`` task's fixed dictionary: a permutation of the words (the last id is the decoder's start token).
+
+    >>> dictionary(5)
+    array([3, 2, 1, 0])
+    """
+    n = vocab - 1
+    return (n - 1 - (np.arange(n) * 5) % n).astype(np.int64) if math.gcd(5, n) == 1 else np.arange(n)[::-1].copy()
 
 
 def make_batch(task: str, batch_size: int, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -67,6 +85,13 @@ def make_batch(task: str, batch_size: int, rng) -> tuple[np.ndarray, np.ndarray,
     >>> x, y, scored = make_batch("reverse", 1, 0)
     >>> n = int(scored.sum()); bool((y[0][scored[0]] == x[0, :n][::-1]).all())
     True
+
+    For an encoder-decoder task the inputs are a pair, ``(source, decoder_input)``, each (B, T): the
+    decoder reads its start token, then the targets shifted right (teacher forcing).
+
+    >>> (src, dec_in), y, scored = make_batch("translate", 1, 0)
+    >>> bool((y[0] == dictionary(21)[src[0, ::-1]]).all()), int(dec_in[0, 0]), bool(scored.all())
+    (True, 20, True)
     """
     if task not in TASKS:
         raise ValueError(f"task should be one of {sorted(TASKS)}, got {task!r}")
@@ -85,6 +110,12 @@ def make_batch(task: str, batch_size: int, rng) -> tuple[np.ndarray, np.ndarray,
             # Inputs are seq[:-1], targets seq[1:]: score the copy's tokens after its first one.
             start = T + 1 - h  # index in seq of the copy's first token
             scored[b, start : T] = True  # target seq[i + 1] for i in start .. T - 1
+    elif task == "translate":
+        start = t.vocab - 1  # the decoder's start token; words are 0 .. vocab - 2
+        src = rng.integers(0, start, size=(B, T))
+        tgt = dictionary(t.vocab)[src[:, ::-1]]  # (B, T): each word translated, the order reversed
+        dec_in = np.concatenate([np.full((B, 1), start), tgt[:, :-1]], axis=1)
+        return (src, dec_in), tgt, np.ones((B, T), bool)
     else:  # reverse
         n = T // 2  # seq: n tokens, the separator, the n tokens reversed (T + 1 in all)
         sep = t.vocab - 1
@@ -192,12 +223,118 @@ class TinyTransformer:
         from ._files import write_atomic
 
         tensors = {k: np.ascontiguousarray(v) for k, v in self.params.items()}
-        data = save(tensors, metadata={"qkv.train.config": json.dumps(asdict(self.config))})
+        data = save(tensors, metadata={"qkv.train.config": json.dumps(asdict(self.config)), "qkv.train.model": type(self).__name__})
         return write_atomic(Path(path), lambda f: f.write(data))
 
 
-def load(path) -> TinyTransformer:
-    """A :class:`TinyTransformer` saved by :meth:`TinyTransformer.save` (or ``qkv train``)."""
+class TinySeq2Seq:
+    """A small encoder-decoder transformer: the three kinds of attention, every gradient analytic.
+
+    ::
+
+        m = enc_tok[src] + enc_pos[:S]                         # (B, S, E)   encoder
+        for each layer:  m = m + self_attn(layer_norm(m))      # bidirectional: no mask
+        m = layer_norm(m)                                      # the memory the decoder reads
+        x = dec_tok[dec_in] + dec_pos[:T]                      # (B, T, E)   decoder
+        for each layer:  x = x + self_attn(layer_norm(x))      # causal
+                         x = x + cross_attn(layer_norm(x), m)  # queries from x, keys and values from m
+        logits = layer_norm(x) @ unembed                       # (B, T, V)
+
+    Parameters are in ``self.params`` (float32 unless the config says), as in :class:`TinyTransformer`.
+    """
+
+    def __init__(self, config: ModelConfig, *, rng=None):
+        self.config = c = config
+        gen = as_rng(0 if rng is None else rng, "rng")
+        dt = np.dtype(c.dtype)
+        if dt.kind != "f":
+            raise TypeError(f"config.dtype should be a float dtype, got {c.dtype!r}")
+        normal = lambda shape, std: (gen.standard_normal(shape) * std).astype(dt)  # noqa: E731
+        p = self.params = {}
+        for side in ("enc", "dec"):
+            p[f"{side}.tok"], p[f"{side}.pos"] = normal((c.vocab, c.dim), 0.5), normal((c.length, c.dim), 0.5)
+        p["unembed"] = normal((c.dim, c.vocab), 1 / math.sqrt(c.dim))
+        self.attn = {}
+        for kind in ("enc", "dec", "cross"):  # encoder self-attention, decoder self-attention, cross-attention
+            for i in range(c.layers):
+                name = f"{kind}{i}"
+                p[f"{name}.ln.g"], p[f"{name}.ln.b"] = np.ones(c.dim, dt), np.zeros(c.dim, dt)
+                mha = self.attn[name] = MultiHeadAttention(c.dim, c.heads, rng=gen, dtype=dt)
+                for w in ("w_query", "w_key", "w_value", "w_out", "b_query", "b_key", "b_value", "b_out"):
+                    p[f"{name}.{w}"] = getattr(mha, w)  # views: updating them updates the layer
+        for name in ("enc.lnf", "lnf"):
+            p[f"{name}.g"], p[f"{name}.b"] = np.ones(c.dim, dt), np.zeros(c.dim, dt)
+
+    def _residual(self, x, name, *, memory=None, is_causal=False, weights=None):
+        """``x + attn(layer_norm(x) [, memory])``: the new x and a backward step."""
+        p = self.params
+        h, ln = layer_norm(x, p[f"{name}.ln.g"], p[f"{name}.ln.b"])
+        mha = self.attn[name]
+        a, back = mha.vjp(h, memory, is_causal=is_causal)
+        if weights is not None:
+            weights.append(mha(h, memory, is_causal=is_causal, return_weights=True)[1])
+        return x + a, (name, ln, back)
+
+    def forward(self, inputs, *, want_weights: bool = False):
+        """Logits (B, T, V) and ``backward(d_logits) -> grads``; ``inputs`` = (source (B, S), decoder input (B, T)).
+
+        With ``want_weights``, also ``{"encoder": [...], "decoder": [...], "cross": [...]}``, a (B, H, L, S)
+        array per layer: (B, H, S, S), (B, H, T, T) and (B, H, T, S).
+        """
+        p, c = self.params, self.config
+        src, dec_in = (np.asarray(a) for a in inputs)
+        (B, S), T = src.shape, dec_in.shape[1]
+        if max(S, T) > c.length:
+            raise ValueError(f"source and target lengths should be at most {c.length}, got {S} and {T}")
+        seen = {"encoder": [], "decoder": [], "cross": []} if want_weights else None
+        m = embedding(p["enc.tok"], src) + p["enc.pos"][:S]  # (B, S, E)
+        enc_steps = []
+        for i in range(c.layers):
+            m, step = self._residual(m, f"enc{i}", weights=None if seen is None else seen["encoder"])
+            enc_steps.append(step)
+        memory, ln_mem = layer_norm(m, p["enc.lnf.g"], p["enc.lnf.b"])  # (B, S, E)
+        x = embedding(p["dec.tok"], dec_in) + p["dec.pos"][:T]  # (B, T, E)
+        dec_steps = []
+        for i in range(c.layers):
+            x, step = self._residual(x, f"dec{i}", is_causal=True, weights=None if seen is None else seen["decoder"])
+            dec_steps.append(step)
+            x, step = self._residual(x, f"cross{i}", memory=memory, weights=None if seen is None else seen["cross"])
+            dec_steps.append(step)
+        hf, lnf = layer_norm(x, p["lnf.g"], p["lnf.b"])
+        logits = hf @ p["unembed"]  # (B, T, V)
+
+        def backward(d_logits):
+            g = {"unembed": hf.reshape(-1, c.dim).T @ d_logits.reshape(-1, c.vocab)}
+            dx, g["lnf.g"], g["lnf.b"] = layer_norm_vjp(lnf, p["lnf.g"], d_logits @ p["unembed"].T)
+            d_memory = np.zeros_like(memory)
+            for name, ln, back in reversed(dec_steps):  # the residual passes dx through; each branch adds its own
+                dh, d_mem, _, grads = back(dx)
+                if d_mem is not None:  # cross-attention: keys and values came from the memory
+                    d_memory += d_mem
+                g.update({f"{name}.{k}": v for k, v in grads.items()})
+                d_in, g[f"{name}.ln.g"], g[f"{name}.ln.b"] = layer_norm_vjp(ln, p[f"{name}.ln.g"], dh)
+                dx = dx + d_in
+            g["dec.tok"] = embedding_vjp(p["dec.tok"].shape, dec_in, dx)
+            g["dec.pos"] = np.zeros_like(p["dec.pos"])
+            g["dec.pos"][:T] = dx.sum(axis=0)
+            dm, g["enc.lnf.g"], g["enc.lnf.b"] = layer_norm_vjp(ln_mem, p["enc.lnf.g"], d_memory)
+            for name, ln, back in reversed(enc_steps):
+                dh, _, _, grads = back(dm)
+                g.update({f"{name}.{k}": v for k, v in grads.items()})
+                d_in, g[f"{name}.ln.g"], g[f"{name}.ln.b"] = layer_norm_vjp(ln, p[f"{name}.ln.g"], dh)
+                dm = dm + d_in
+            g["enc.tok"] = embedding_vjp(p["enc.tok"].shape, src, dm)
+            g["enc.pos"] = np.zeros_like(p["enc.pos"])
+            g["enc.pos"][:S] = dm.sum(axis=0)
+            return g
+
+        return (logits, backward, seen) if want_weights else (logits, backward)
+
+    save = TinyTransformer.save
+
+
+def load(path):
+    """A :class:`TinyTransformer` or :class:`TinySeq2Seq` saved by its ``save`` (or ``qkv train``)."""
     from safetensors import safe_open
 
     from .models.errors import ModelError
@@ -211,7 +348,11 @@ def load(path) -> TinyTransformer:
         raise ModelError(f"{path}: not a safetensors file ({exc})") from None
     if "qkv.train.config" not in meta:
         raise ModelError(f"{path}: no 'qkv.train.config' in the metadata: not written by qkv train")
-    model = TinyTransformer(ModelConfig(**json.loads(meta["qkv.train.config"])))
+    kinds = {"TinyTransformer": TinyTransformer, "TinySeq2Seq": TinySeq2Seq}
+    kind = meta.get("qkv.train.model", "TinyTransformer")  # files from before encoder-decoders name none
+    if kind not in kinds:
+        raise ModelError(f"{path}: qkv.train.model {kind!r} should be one of {sorted(kinds)}")
+    model = kinds[kind](ModelConfig(**json.loads(meta["qkv.train.config"])))
     for name, value in tensors.items():
         if name not in model.params or model.params[name].shape != value.shape:
             raise ModelError(f"{path}: tensor {name!r} {value.shape} does not fit the config")
@@ -233,7 +374,7 @@ class TrainResult:
     history: list = field(default_factory=list)  # (step, train loss, train accuracy)
 
 
-DEFAULTS = {"induction": dict(steps=1500, lr=3e-3, batch=32), "reverse": dict(steps=300, lr=3e-3, batch=32)}
+DEFAULTS = {"induction": dict(steps=1500, lr=3e-3, batch=32), "reverse": dict(steps=300, lr=3e-3, batch=32), "translate": dict(steps=400, lr=3e-3, batch=32)}
 
 
 def accuracy(logits, targets, scored) -> float:
@@ -248,7 +389,7 @@ def evaluate(model, task, seed, n: int = 512):
 
 
 def train(task: str = "induction", *, steps: int | None = None, seed: int = 0, lr: float | None = None, batch_size: int | None = None, config: ModelConfig | None = None, on_step=None, log_every: int = 50):
-    """Train a :class:`TinyTransformer` on ``task``; returns (model, TrainResult).
+    """Train a :class:`TinyTransformer` (a :class:`TinySeq2Seq` for ``translate``) on ``task``; returns (model, TrainResult).
 
     ``on_step(step, loss, accuracy, tokens_per_s)`` is called every ``log_every`` steps.
     The same seed gives the same weights.
@@ -260,7 +401,7 @@ def train(task: str = "induction", *, steps: int | None = None, seed: int = 0, l
     batch_size = d["batch"] if batch_size is None else check_int(batch_size, "batch_size", minimum=1)
     t = TASKS[task]
     config = config or ModelConfig(vocab=t.vocab, length=t.length)
-    model = TinyTransformer(config, rng=np.random.default_rng([seed, 0]))
+    model = (TinySeq2Seq if task in SEQ2SEQ else TinyTransformer)(config, rng=np.random.default_rng([seed, 0]))
     opt = AdamW(d["lr"] if lr is None else lr, weight_decay=0.01, clip_norm=1.0, no_decay={k for k in model.params if not k.endswith(("w_query", "w_key", "w_value", "w_out", ".w1", ".w2", "unembed"))})
     data = np.random.default_rng([seed, 2])
     history, t0, tick = [], time.perf_counter(), time.perf_counter()
@@ -317,9 +458,16 @@ def head_scores(model: TinyTransformer, task: str = "induction", *, n: int = 64,
     ``induction``: "previous_token", the mean weight a position in the copy puts on the position
     before it, and "induction", the mean weight it puts on the token right after the earlier
     occurrence of its own token. ``reverse``: "mirror", the mean weight a position of the reversed
-    half puts on the position holding the token it must predict.
+    half puts on the position holding the token it must predict. ``translate``: "alignment", the mean
+    cross-attention weight a target word puts on its source word (the anti-diagonal).
     """
     x, _, scored = make_batch(task, n, np.random.default_rng([seed, 3]))
+    if task in SEQ2SEQ:
+        _, _, seen = model.forward(x, want_weights=True)
+        w = np.stack(seen["cross"], axis=1)  # (B, layers, H, T, S)
+        T = w.shape[-2]
+        rows = np.arange(T)
+        return {"alignment": w[..., rows, T - 1 - rows].mean(axis=(0, -1))}
     _, _, weights = model.forward(x, want_weights=True)  # each (B, H, T, T)
     w = np.stack(weights, axis=1)  # (B, layers, H, T, T)
     out = {}

@@ -12,6 +12,8 @@ from .causal_lm import default_causal_lm_path, load_causal_lm
 from .decoder import CausalLM, CausalLMOutput, DecoderConfig, GenerateOutput
 from .encoder import EncoderOutput, SentenceEncoder, default_model_dir, load_model
 from .errors import ModelError
+from .seq2seq import Seq2SeqConfig, Seq2SeqGenerateOutput, Seq2SeqLM, Seq2SeqOutput
+from .seq2seq_lm import load_seq2seq_lm
 
 __all__ = [
     "BertConfig",
@@ -25,10 +27,15 @@ __all__ = [
     "Index",
     "ModelError",
     "SentenceEncoder",
+    "Seq2SeqConfig",
+    "Seq2SeqGenerateOutput",
+    "Seq2SeqLM",
+    "Seq2SeqOutput",
     "default_causal_lm_path",
     "default_model_dir",
     "embed_file",
     "iter_texts",
     "load_causal_lm",
     "load_model",
+    "load_seq2seq_lm",
 ]

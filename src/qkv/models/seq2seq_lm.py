@@ -1,0 +1,67 @@
+"""Load an encoder-decoder language model from a Hugging Face directory (``config.json``,
+``model.safetensors``, ``tokenizer.json``): model type ``t5``. PyTorch is never imported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import t5
+from .errors import ModelError
+from .files import FieldReader, read_json, regular_file
+from .seq2seq import Seq2SeqLM
+
+__all__ = ["load_seq2seq_lm", "SEQ2SEQ_FAMILIES"]
+
+SEQ2SEQ_FAMILIES = ("t5",)
+
+
+def load_seq2seq_lm(path) -> Seq2SeqLM:
+    """An encoder-decoder model (T5, flan-t5) from a Hugging Face directory, on qkv's attention.
+
+    Raises
+    ------
+    ModelError
+        A directory of another architecture, a missing or misshapen tensor, naming the file and the entry.
+    """
+    from . import tokenizer as tk
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(f"{path}: an encoder-decoder model is a Hugging Face directory (config.json, model.safetensors, tokenizer.json)")
+    cfg_file = path / "config.json"
+    c = read_json(cfg_file)
+    family = c.get("model_type")
+    if family not in SEQ2SEQ_FAMILIES:
+        raise ModelError(f"{cfg_file}: model_type {family!r} is not a supported encoder-decoder; supported: {list(SEQ2SEQ_FAMILIES)}")
+    cfg = t5.config_from_hf(c, str(cfg_file), FieldReader(c, str(cfg_file)))
+    weights_file = regular_file(path / "model.safetensors", "qkv reads weights from one model.safetensors")
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:
+        raise ImportError("qkv.models needs safetensors: pip install 'qkv[models]'") from None
+    try:
+        weights = load_file(str(weights_file))
+    except Exception as exc:
+        raise ModelError(f"{weights_file}: cannot read safetensors ({exc}); qkv needs float32 or float16 tensors") from None
+    used: set = set()
+
+    def t(name, shape):
+        if name not in weights:
+            raise ModelError(f"{weights_file}: missing tensor {name!r}")
+        arr = weights[name]
+        if tuple(arr.shape) != tuple(shape):
+            raise ModelError(f"{weights_file}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(arr.shape)}")
+        if arr.dtype.kind != "f":
+            raise ModelError(f"{weights_file}: tensor {name!r} should be floating point, got {arr.dtype}")
+        used.add(name)
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    embed, encoder, enc_norm, decoder, dec_norm, head, enc_bias, dec_bias = t5.weights_from_hf(t, cfg, lambda n: n in weights)
+    copies = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}  # the shared table, saved again by some writers
+    extra = sorted(set(weights) - used - copies)
+    if extra:
+        raise ModelError(f"{weights_file}: tensor {extra[0]!r} is not part of the model config.json describes ({len(extra)} unexpected tensors)")
+    tokenizer = tk.from_file(path / "tokenizer.json", {**c, "add_bos_token": False}) if (path / "tokenizer.json").is_file() else None
+    return Seq2SeqLM(cfg, embed, encoder, enc_norm, decoder, dec_norm, lm_head=head, encoder_bias_table=enc_bias, decoder_bias_table=dec_bias, tokenizer=tokenizer, name=path.resolve().name)

@@ -1,0 +1,155 @@
+"""Encoder-decoder models against transformers (the oracle): random tiny T5 models built by transformers
+from a config, saved as a directory, loaded by qkv: encoder output, logits, cross-attention weights,
+greedy and beam search outputs."""
+
+import json
+
+import numpy as np
+import pytest
+
+from qkv.models import ModelError, load_seq2seq_lm
+from qkv.models.seq2seq import t5_buckets
+
+V = 64
+
+
+def _tiny_t5(torch, tmp_path, kind="t5", decoder_layers=3, eos_gain=1.0):
+    import transformers as tf
+
+    gated = kind == "flan"
+    cfg = tf.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=decoder_layers, num_heads=4, relative_attention_num_buckets=16,
+                      relative_attention_max_distance=20, feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated,
+                      decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, initializer_factor=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        # transformers' own init makes a tiny model repeat one token whatever the source. Instead: norms
+        # random around 1 (one applied wrongly shows), embeddings of equal norm (no token wins every
+        # step), strong attention and MLP outputs (the next token depends on the source and the past).
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.copy_(1 + torch.randn_like(p) * 0.3)
+            elif "relative_attention_bias" in name:
+                p.normal_(0, 1.0)
+            elif name in ("shared.weight", "lm_head.weight"):
+                p.normal_(0, 1.0)
+                p.mul_(4 / p.norm(dim=1, keepdim=True))
+            elif name.endswith(("o.weight", "wo.weight")):
+                p.normal_(0, 3 / p.shape[1] ** 0.5)
+            elif p.ndim == 2:
+                p.normal_(0, 1 / p.shape[1] ** 0.5)
+    if gated:  # flan-t5's checkpoints: an lm_head of its own, no output scaling
+        head = torch.randn_like(model.lm_head.weight)
+        model.lm_head.weight = torch.nn.Parameter(head * 4 / head.norm(dim=1, keepdim=True))
+        model.config.scale_decoder_outputs = False
+    with torch.no_grad():  # eos_gain > 1: EOS likelier, so that beams finish at different lengths
+        (model.lm_head.weight if gated else model.shared.weight)[1] *= eos_gain
+    d = tmp_path / kind
+    model.save_pretrained(d, safe_serialization=True)
+    if gated:  # as flan-t5's config.json says it
+        c = json.loads((d / "config.json").read_text())
+        c["tie_word_embeddings"] = False
+        c["scale_decoder_outputs"] = False
+        (d / "config.json").write_text(json.dumps(c))
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k not in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")}, str(d / "model.safetensors"))
+    return model, d
+
+
+def test_buckets_equal_transformers(torch):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    q, k = np.arange(300), np.arange(300)
+    rel = torch.tensor(k[None, :] - q[:, None])
+    for bidirectional in (True, False):
+        for buckets, dist in ((32, 128), (16, 20)):
+            want = T5Attention._relative_position_bucket(rel, bidirectional=bidirectional, num_buckets=buckets, max_distance=dist).numpy()
+            np.testing.assert_array_equal(t5_buckets(q, k, bidirectional=bidirectional, num_buckets=buckets, max_distance=dist), want)
+
+
+@pytest.mark.parametrize("kind", ["t5", "flan"])
+def test_t5_equals_transformers(kind, torch, tmp_path):
+    model, d = _tiny_t5(torch, tmp_path, kind)
+    lm = load_seq2seq_lm(d)
+    assert lm.config.gated_ffn == (kind == "flan") and (lm.lm_head is lm.embed) == (kind == "t5")
+    rng = np.random.default_rng(0)
+    src = rng.integers(2, V, size=(2, 13))
+    dec = np.concatenate([np.zeros((2, 1), int), rng.integers(2, V, size=(2, 9))], axis=1)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(src), decoder_input_ids=torch.tensor(dec), output_attentions=True)
+    out = lm.forward(src, dec, output_attentions=True)
+    assert out.logits.dtype == np.float32
+    np.testing.assert_allclose(out.encoder_hidden, ref.encoder_last_hidden_state.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out.logits, ref.logits.numpy(), atol=1e-4, rtol=0)
+    for mine, theirs in zip(out.encoder_attentions + out.decoder_attentions + out.cross_attentions, ref.encoder_attentions + ref.decoder_attentions + ref.cross_attentions):
+        np.testing.assert_allclose(mine, theirs.numpy(), atol=1e-5, rtol=0)
+    assert out.cross_attentions[0].shape == (2, 4, 10, 13)  # (B, H, T, S): every target token over the source
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("kind", ["t5", "flan"])
+def test_t5_greedy_and_beam_search_equal_generate(kind, num_beams, torch, tmp_path):
+    model, d = _tiny_t5(torch, tmp_path, kind, decoder_layers=2)  # transformers' generate sizes its cache by num_layers
+    lm = load_seq2seq_lm(d)
+    rng = np.random.default_rng(1)
+    varied = 0
+    for _ in range(12):
+        src = rng.integers(2, V, size=int(rng.integers(4, 14))).tolist() + [1]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([src]), max_new_tokens=12, num_beams=num_beams, do_sample=False)[0, 1:].tolist()
+        got = lm.generate(src, max_new_tokens=12, num_beams=num_beams).token_ids
+        assert got == ref[: len(got)] and all(t == 0 for t in ref[len(got) :]), (src, got, ref)  # transformers pads finished beams
+        varied += len(set(got)) >= 3
+    assert varied >= 3  # not all degenerate repeats: the comparison means something
+
+
+def test_t5_cache_equals_the_full_pass(torch, tmp_path):
+    _, d = _tiny_t5(torch, tmp_path)
+    lm = load_seq2seq_lm(d)
+    rng = np.random.default_rng(2)
+    src, dec = rng.integers(2, V, size=(1, 9)), rng.integers(2, V, size=(1, 8))
+    full = lm.forward(src, dec).logits
+    cache = lm.new_cache(lm.encode(src))
+    steps = [lm.decode(dec[:, :3], cache)] + [lm.decode(dec[:, t : t + 1], cache) for t in range(3, 8)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
+    assert len(cache) == 8 and cache.cross_kv[0][0].shape == (1, 4, 9, 8)  # the source's keys, computed once
+
+
+def test_seq2seq_errors(torch, tmp_path):
+    _, d = _tiny_t5(torch, tmp_path)
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "model_type": "pegasus"}))
+    with pytest.raises(ModelError, match="model_type 'pegasus' is not a supported encoder-decoder; supported: \\['t5'\\]"):
+        load_seq2seq_lm(d)
+    (d / "config.json").write_text(json.dumps(c))
+    lm = load_seq2seq_lm(d)
+    with pytest.raises(ValueError, match=r"source should lie in \[0, 63\], got 64"):
+        lm.generate([5, 64])
+    with pytest.raises(ValueError, match="num_beams should be >= 1"):
+        lm.generate([5, 6], num_beams=0)
+    with pytest.raises(TypeError, match="input_ids should be integer token ids"):
+        lm.encode([1.5, 2.0])
+    with pytest.raises(ModelError, match="an encoder-decoder model is a Hugging Face directory"):
+        load_seq2seq_lm(d / "config.json")
+
+
+@pytest.mark.parametrize("kind", ["t5", "flan"])
+def test_beam_search_finishing_at_eos_equals_generate(kind, torch, tmp_path):
+    """EOS made likelier, so that hypotheses finish at different lengths: the length penalty and both
+    stopping rules decide which one wins, as in transformers."""
+    model, d = _tiny_t5(torch, tmp_path, kind, decoder_layers=2, eos_gain=1.5)
+    lm = load_seq2seq_lm(d)
+    rng = np.random.default_rng(1)
+    reasons, lengths = set(), set()
+    for _ in range(8):
+        src = rng.integers(2, V, size=int(rng.integers(4, 14))).tolist() + [1]
+        for length_penalty, early_stopping in ((1.0, False), (0.5, True), (2.0, False)):
+            out = lm.generate(src, max_new_tokens=12, num_beams=4, length_penalty=length_penalty, early_stopping=early_stopping)
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([src]), max_new_tokens=12, num_beams=4, length_penalty=length_penalty, early_stopping=early_stopping, do_sample=False)[0, 1:].tolist()
+            got = out.token_ids
+            assert got == ref[: len(got)] and all(t == 0 for t in ref[len(got) :]), (src, length_penalty, early_stopping, got, ref)
+            reasons.add(out.stop_reason)
+            lengths.add(len(got))
+    assert reasons == {"eos", "length"} and len(lengths) >= 3  # the cases the rules are about did occur

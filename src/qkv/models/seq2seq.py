@@ -193,6 +193,38 @@ class Seq2SeqLM:
         self.encoder_bias_table, self.decoder_bias_table = encoder_bias_table, decoder_bias_table  # (buckets, H)
         self.tokenizer, self.name = tokenizer, name
 
+    @classmethod
+    def random(cls, config: Seq2SeqConfig, *, seed=0, std: float = 0.5) -> "Seq2SeqLM":
+        """A model of ``config`` with random weights (normal, ``std / sqrt(fan_in)``; norms 1): to look at
+        the machinery without a checkpoint.
+
+        >>> lm = Seq2SeqLM.random(Seq2SeqConfig("t5", vocab_size=50, hidden_size=16, num_heads=2, head_dim=8, ffn_size=32, encoder_layers=2, decoder_layers=2))
+        >>> lm
+        Seq2SeqLM('random', family='t5', layers=2+2, hidden=16, heads=2x8, vocab=50)
+        """
+        from .._checks import as_rng
+
+        c = config
+        gen = as_rng(seed, "seed")
+        E, F, HD = c.hidden_size, c.ffn_size, c.num_heads * c.head_dim
+
+        def w(out, fan_in):
+            return (gen.standard_normal((out, fan_in)) * (std / np.sqrt(fan_in))).astype(np.float32)
+
+        def norm():
+            return (np.ones(E, np.float32), None if c.norm == "rms" else np.zeros(E, np.float32))
+
+        def attention():
+            return Attention(w(HD, E), w(HD, E), w(HD, E), w(E, HD))
+
+        def layer(cross: bool):
+            return Seq2SeqLayer(attention(), norm(), norm(), w(2 * F if c.gated_ffn else F, E), w(E, F), cross=attention() if cross else None, cross_norm=norm() if cross else None)
+
+        tables = [(gen.standard_normal((c.num_buckets, c.num_heads))).astype(np.float32) for _ in range(2)] if c.position == "t5" else [None, None]
+        embed = gen.standard_normal((c.vocab_size, E)).astype(np.float32)
+        return cls(c, embed, [layer(False) for _ in range(c.encoder_layers)], norm(), [layer(True) for _ in range(c.decoder_layers)], norm(),
+                   encoder_bias_table=tables[0], decoder_bias_table=tables[1], name="random")  # fmt: skip
+
     def __repr__(self) -> str:
         c = self.config
         return f"Seq2SeqLM({self.name!r}, family={c.family!r}, layers={c.encoder_layers}+{c.decoder_layers}, hidden={c.hidden_size}, heads={c.num_heads}x{c.head_dim}, vocab={c.vocab_size})"

@@ -120,7 +120,7 @@ def test_seq2seq_errors(torch, tmp_path):
     _, d = _tiny_t5(torch, tmp_path)
     c = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**c, "model_type": "pegasus"}))
-    with pytest.raises(ModelError, match="model_type 'pegasus' is not a supported encoder-decoder; supported: \\['t5'\\]"):
+    with pytest.raises(ModelError, match="model_type 'pegasus' is not a supported encoder-decoder; supported: \\['t5', 'bart', 'marian'\\]"):
         load_seq2seq_lm(d)
     (d / "config.json").write_text(json.dumps(c))
     lm = load_seq2seq_lm(d)
@@ -153,3 +153,85 @@ def test_beam_search_finishing_at_eos_equals_generate(kind, torch, tmp_path):
             reasons.add(out.stop_reason)
             lengths.add(len(got))
     assert reasons == {"eos", "length"} and len(lengths) >= 3  # the cases the rules are about did occur
+
+
+# ------------------------------------------------------------------ BART and Marian
+
+
+def _tiny_bart(family, torch, tmp_path, gain=2.0, spread=1.0, activation="swish", scale_embedding=False):
+    import transformers as tf
+
+    common = dict(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=40, pad_token_id=1, bos_token_id=0, eos_token_id=2)  # fmt: skip
+    if family == "bart":
+        cfg = tf.BartConfig(**common, decoder_start_token_id=2, forced_eos_token_id=2)
+        model = tf.BartForConditionalGeneration(cfg)
+    else:
+        cfg = tf.MarianConfig(**common, decoder_start_token_id=1, activation_function=activation, scale_embedding=scale_embedding)
+        model = tf.MarianMTModel(cfg)
+    torch.manual_seed(0)
+    model = model.float().eval()
+    with torch.no_grad():  # as for T5: varied outputs, norms and biases that matter
+        for name, p in model.named_parameters():
+            if family == "marian" and "embed_positions" in name:
+                continue  # Marian's sinusoidal table: computed, never saved
+            if "layer_norm" in name or "layernorm" in name:
+                p.copy_((1 if name.endswith("weight") else 0) + torch.randn_like(p) * 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "shared" in name or "embed_tokens" in name:
+                p.normal_(0, 1.0)
+                p.mul_(spread / p.norm(dim=1, keepdim=True))
+            elif name.endswith(("out_proj.weight", "fc2.weight")):
+                p.normal_(0, gain / p.shape[1] ** 0.5)
+            elif p.ndim == 2:
+                p.normal_(0, 1 / p.shape[1] ** 0.5)
+        model.final_logits_bias.normal_(0, 0.5)
+    d = tmp_path / family
+    model.save_pretrained(d, safe_serialization=True)
+    return model, d
+
+
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_bart_and_marian_equal_transformers(family, torch, tmp_path):
+    model, d = _tiny_bart(family, torch, tmp_path)
+    lm = load_seq2seq_lm(d)
+    assert lm.config.pre_norm is False and lm.config.position == ("learned" if family == "bart" else "sinusoidal")
+    rng = np.random.default_rng(0)
+    src = rng.integers(3, V, size=(2, 13))
+    dec = np.concatenate([np.full((2, 1), lm.config.decoder_start_token_id), rng.integers(3, V, size=(2, 9))], axis=1)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(src), decoder_input_ids=torch.tensor(dec), output_attentions=True)
+    out = lm.forward(src, dec, output_attentions=True)
+    np.testing.assert_allclose(out.encoder_hidden, ref.encoder_last_hidden_state.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out.logits, ref.logits.numpy(), atol=1e-4, rtol=0)
+    for mine, theirs in zip(out.encoder_attentions + out.decoder_attentions + out.cross_attentions, ref.encoder_attentions + ref.decoder_attentions + ref.cross_attentions):
+        np.testing.assert_allclose(mine, theirs.numpy(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_bart_and_marian_generate_equal_transformers(family, num_beams, torch, tmp_path):
+    """BART forces EOS as the last token the length allows; Marian starts from the padding token."""
+    model, d = _tiny_bart(family, torch, tmp_path)
+    lm = load_seq2seq_lm(d)
+    rng = np.random.default_rng(1)
+    varied = 0
+    for _ in range(10):
+        src = [0] + rng.integers(3, V, size=int(rng.integers(4, 14))).tolist() + [2]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([src]), max_new_tokens=10, num_beams=num_beams, do_sample=False)[0, 1:].tolist()
+        got = lm.generate(src, max_new_tokens=10, num_beams=num_beams).token_ids
+        assert got == ref[: len(got)] and all(t == 1 for t in ref[len(got) :]), (src, got, ref)  # padded with id 1
+        varied += len(set(got)) >= 3
+    # A random tiny Marian repeats one token whatever the source (no init tried here changed that): for
+    # it this test checks the start token, the forced last token and beam bookkeeping, the forward test
+    # the numbers. BART's outputs vary.
+    assert varied >= 3 or family == "marian"
+
+
+def test_a_source_longer_than_the_model_allows(torch, tmp_path):
+    _, d = _tiny_bart("bart", torch, tmp_path)
+    lm = load_seq2seq_lm(d)
+    with pytest.raises(ValueError, match="the source would reach 41 tokens, past this model's 40 positions"):
+        lm.encode(np.full((1, 41), 5))

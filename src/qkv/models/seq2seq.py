@@ -21,7 +21,8 @@ The cross-attention's keys and values depend on the source only, so they are com
 Generation: greedy, and beam search as transformers' ``generate(num_beams=...)`` runs it (the same
 candidates, length penalty and stopping rule, so that the outputs are identical).
 
-Families (one module each, what is peculiar to them): T5 (:mod:`qkv.models.t5`).
+Families (one module each, what is peculiar to them): T5 (:mod:`qkv.models.t5`), BART and Marian
+(:mod:`qkv.models.bart`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ class Seq2SeqConfig:
     """What an encoder-decoder family is, as data.
 
     ``position``: ``"t5"`` (a learned bias per head and relative-position bucket, added to the scores of
-    each stack's self-attention). ``query_scale``: the factor on the scores (T5: 1, no 1/sqrt(D)).
-    ``output_scale``: the factor on the decoder's output before the LM head (T5 with tied embeddings:
-    E^-1/2).
+    each stack's self-attention), ``"learned"`` (a table added to the embeddings, BART: its rows start at
+    ``position_offset``) or ``"sinusoidal"`` (Marian: computed). ``query_scale``: the factor on the
+    scores (T5: 1, no 1/sqrt(D)). ``output_scale``: the factor on the decoder's output before the LM head
+    (T5 with tied embeddings: E^-1/2). ``pre_norm``: each block is ``x + f(norm(x))`` (T5); False:
+    ``norm(x + f(x))`` (BART, Marian). ``forced_eos_token_id``: the last token generation may write is this one (BART: EOS).
     """
 
     family: str
@@ -70,6 +73,12 @@ class Seq2SeqConfig:
     decoder_start_token_id: int = 0
     eos_token_id: int | None = 1
     pad_token_id: int | None = 0
+    pre_norm: bool = True
+    embed_scale: float = 1.0
+    position_offset: int = 0
+    max_positions: int | None = None
+    embed_norm: bool = False
+    forced_eos_token_id: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_heads", "head_dim", "ffn_size", "encoder_layers", "decoder_layers"):
@@ -80,6 +89,8 @@ class Seq2SeqConfig:
             raise ModelError(f"{self.family}: activation {self.activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         if self.norm not in ("rms", "layer"):
             raise ModelError(f"{self.family}: norm should be 'rms' or 'layer', got {self.norm!r}")
+        if self.position not in ("t5", "learned", "sinusoidal"):
+            raise ModelError(f"{self.family}: position should be 't5', 'learned' or 'sinusoidal', got {self.position!r}")
 
 
 @dataclass
@@ -185,12 +196,16 @@ def t5_buckets(query_pos, key_pos, *, bidirectional: bool, num_buckets: int, max
 class Seq2SeqLM:
     """An encoder-decoder language model on qkv's attention, in NumPy (float32)."""
 
-    def __init__(self, config: Seq2SeqConfig, embed: np.ndarray, encoder: list, encoder_norm: tuple, decoder: list, decoder_norm: tuple, *, lm_head=None,
-                 encoder_bias_table=None, decoder_bias_table=None, tokenizer=None, name: str = "model"):  # fmt: skip
+    def __init__(self, config: Seq2SeqConfig, embed: np.ndarray, encoder: list, encoder_norm, decoder: list, decoder_norm, *, lm_head=None,
+                 encoder_bias_table=None, decoder_bias_table=None, encoder_positions=None, decoder_positions=None, encoder_embed_norm=None,
+                 decoder_embed_norm=None, final_logits_bias=None, tokenizer=None, name: str = "model"):  # fmt: skip
         self.config, self.embed, self.encoder, self.decoder = config, embed, encoder, decoder
-        self.encoder_norm, self.decoder_norm = encoder_norm, decoder_norm
+        self.encoder_norm, self.decoder_norm = encoder_norm, decoder_norm  # final norms (pre-norm stacks), or None
         self.lm_head = embed if lm_head is None else lm_head  # (V, E)
         self.encoder_bias_table, self.decoder_bias_table = encoder_bias_table, decoder_bias_table  # (buckets, H)
+        self.encoder_positions, self.decoder_positions = encoder_positions, decoder_positions  # (P, E) tables
+        self.encoder_embed_norm, self.decoder_embed_norm = encoder_embed_norm, decoder_embed_norm
+        self.final_logits_bias = final_logits_bias  # (V,) or None
         self.tokenizer, self.name = tokenizer, name
 
     @classmethod
@@ -266,6 +281,27 @@ class Seq2SeqLM:
             y += layer.b_out
         return y
 
+    def _embed(self, ids, start: int, table, norm, what: str):  # (B, L) -> (B, L, E)
+        c = self.config
+        h = self.embed[ids]  # a copy
+        if c.embed_scale != 1.0:
+            h *= np.float32(c.embed_scale)
+        if table is not None:
+            L = ids.shape[1]
+            if start + L > (c.max_positions or len(table) - c.position_offset):
+                raise ValueError(f"{what} would reach {start + L} tokens, past this model's {c.max_positions or len(table) - c.position_offset} positions")
+            h += table[c.position_offset + start : c.position_offset + start + L]
+        if norm is not None:
+            h = self._norm(h, norm)
+        return h
+
+    def _block(self, h, norm, f):  # pre-norm: h + f(norm(h)); post-norm: norm(h + f(h))
+        if self.config.pre_norm:
+            h += f(self._norm(h, norm))
+            return h
+        h += f(h)
+        return self._norm(h, norm)
+
     def _bias(self, table, query_pos, key_pos, bidirectional):  # -> (1, H, L, S) float32, or None
         if table is None:
             return None
@@ -292,19 +328,23 @@ class Seq2SeqLM:
         ids = self._ids(input_ids, "input_ids")
         B, S = ids.shape
         keep = None if attention_mask is None else self._source_keep(attention_mask, ids.shape)
-        h = self.embed[ids]  # (B, S, E), a copy
+        h = self._embed(ids, 0, self.encoder_positions, self.encoder_embed_norm, "the source")  # (B, S, E)
         pos = np.arange(S)
         bias = self._bias(self.encoder_bias_table, pos, pos, True)  # shared by every layer (T5)
         seen = []
         for layer in self.encoder:
-            a = self._norm(h, layer.self_norm)
-            q, k, v = (self._heads(a, w, b) for w, b in ((layer.self_attn.w_q, layer.self_attn.b_q), (layer.self_attn.w_k, layer.self_attn.b_k), (layer.self_attn.w_v, layer.self_attn.b_v)))
-            res = scaled_dot_product_attention(q, k, v, mask=keep, bias=bias, scale=self.config.query_scale, return_weights=output_attentions)
-            o, w = res if output_attentions else (res, None)
-            h += self._merge(o, layer.self_attn)
-            h += self._ffn(layer, self._norm(h, layer.ffn_norm))
-            seen.append(w)
-        out = self._norm(h, self.encoder_norm)
+            sa = layer.self_attn
+
+            def attend(a):
+                q, k, v = self._heads(a, sa.w_q, sa.b_q), self._heads(a, sa.w_k, sa.b_k), self._heads(a, sa.w_v, sa.b_v)
+                res = scaled_dot_product_attention(q, k, v, mask=keep, bias=bias, scale=self.config.query_scale, return_weights=output_attentions)
+                o, w = res if output_attentions else (res, None)
+                seen.append(w)
+                return self._merge(o, sa)
+
+            h = self._block(h, layer.self_norm, attend)
+            h = self._block(h, layer.ffn_norm, lambda a: self._ffn(layer, a))
+        out = h if self.encoder_norm is None else self._norm(h, self.encoder_norm)
         return (out, tuple(seen)) if output_attentions else out
 
     def _source_keep(self, attention_mask, shape):
@@ -327,30 +367,39 @@ class Seq2SeqLM:
         ids = self._ids(decoder_input_ids, "decoder_input_ids")
         B, T = ids.shape
         start = len(cache)
-        h = self.embed[ids]  # (B, T, E)
+        h = self._embed(ids, start, self.decoder_positions, self.decoder_embed_norm, "the target")  # (B, T, E)
         pos = np.arange(start, start + T)
         bias = self._bias(self.decoder_bias_table, pos, np.arange(start + T), False)  # (1, H, T, start + T)
         seen_self, seen_cross = [], []
+        scale = self.config.query_scale
         for i, layer in enumerate(self.decoder):
-            a = self._norm(h, layer.self_norm)
-            sa = layer.self_attn
-            q, k, v = self._heads(a, sa.w_q, sa.b_q), self._heads(a, sa.w_k, sa.b_k), self._heads(a, sa.w_v, sa.b_v)
-            k, v = cache.self_kv.update(i, k, v)  # (B, H, start + T, D)
-            res = scaled_dot_product_attention(q, k, v, bias=bias, is_causal=True, scale=self.config.query_scale, return_weights=output_attentions)
-            o, w_self = res if output_attentions else (res, None)
-            h += self._merge(o, sa)
-            a = self._norm(h, layer.cross_norm)
-            ck, cv = cache.cross_kv[i]
-            res = scaled_dot_product_attention(self._heads(a, layer.cross.w_q, layer.cross.b_q), ck, cv, mask=cache.source_keep, scale=self.config.query_scale, return_weights=output_attentions)
-            o, w_cross = res if output_attentions else (res, None)
-            h += self._merge(o, layer.cross)
-            h += self._ffn(layer, self._norm(h, layer.ffn_norm))
-            seen_self.append(w_self)
-            seen_cross.append(w_cross)
-        h = self._norm(h, self.decoder_norm)
+            sa, ca = layer.self_attn, layer.cross
+
+            def self_attend(a, i=i, sa=sa):
+                q, k, v = self._heads(a, sa.w_q, sa.b_q), self._heads(a, sa.w_k, sa.b_k), self._heads(a, sa.w_v, sa.b_v)
+                k, v = cache.self_kv.update(i, k, v)  # (B, H, start + T, D)
+                res = scaled_dot_product_attention(q, k, v, bias=bias, is_causal=True, scale=scale, return_weights=output_attentions)
+                o, w = res if output_attentions else (res, None)
+                seen_self.append(w)
+                return self._merge(o, sa)
+
+            def cross_attend(a, i=i, ca=ca):
+                ck, cv = cache.cross_kv[i]  # the source's keys and values: computed once
+                res = scaled_dot_product_attention(self._heads(a, ca.w_q, ca.b_q), ck, cv, mask=cache.source_keep, scale=scale, return_weights=output_attentions)
+                o, w = res if output_attentions else (res, None)
+                seen_cross.append(w)
+                return self._merge(o, ca)
+
+            h = self._block(h, layer.self_norm, self_attend)
+            h = self._block(h, layer.cross_norm, cross_attend)
+            h = self._block(h, layer.ffn_norm, lambda a, layer=layer: self._ffn(layer, a))
+        if self.decoder_norm is not None:
+            h = self._norm(h, self.decoder_norm)
         if self.config.output_scale != 1.0:
             h *= np.float32(self.config.output_scale)
         logits = h @ self.lm_head.T  # (B, T, V)
+        if self.final_logits_bias is not None:
+            logits += self.final_logits_bias
         return (logits, tuple(seen_self), tuple(seen_cross)) if output_attentions else logits
 
     def forward(self, input_ids, decoder_input_ids, *, attention_mask=None, output_attentions: bool = False) -> Seq2SeqOutput:
@@ -381,7 +430,7 @@ class Seq2SeqLM:
         if isinstance(source, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
-            source = self.tokenizer.encode(source, add_bos=False) + ([] if eos is None else [eos])  # T5's sources end in EOS
+            source = self.tokenizer.backend.encode(source).ids  # the file's own special tokens (T5: text </s>; BART: <s> text </s>)
         src = self._ids(source, "source")
         if len(src) != 1:
             raise ValueError(f"source should be one sequence, got a batch of {len(src)}")
@@ -392,6 +441,9 @@ class Seq2SeqLM:
             tok, new, reason = self.config.decoder_start_token_id, [], "length"
             while len(new) < max_new_tokens:
                 tok = int(self.decode([[tok]], cache)[0, -1].argmax())
+                forced = self.config.forced_eos_token_id
+                if forced is not None and len(new) == max_new_tokens - 1:
+                    tok = forced  # BART: the last token the length allows is EOS
                 new.append(tok)
                 if tok == eos:
                     reason = "eos"
@@ -416,6 +468,10 @@ class Seq2SeqLM:
             logits = self.decode(tokens[:, None], cache)[:, -1].astype(np.float32)  # (k, V)
             logp = logits - logits.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))  # log-softmax
+            forced = self.config.forced_eos_token_id
+            if forced is not None and step == max_new_tokens - 1:
+                logp[:] = -np.inf  # BART: the last token the length allows is EOS
+                logp[:, forced] = 0
             total = (logp + run_scores[:, None]).ravel()  # (k V,)
             top = np.argsort(-total, kind="stable")[:keep]  # best first
             beam, tok, sc = top // logits.shape[1], top % logits.shape[1], total[top]

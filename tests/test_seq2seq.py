@@ -235,3 +235,31 @@ def test_a_source_longer_than_the_model_allows(torch, tmp_path):
     lm = load_seq2seq_lm(d)
     with pytest.raises(ValueError, match="the source would reach 41 tokens, past this model's 40 positions"):
         lm.encode(np.full((1, 41), 5))
+
+
+def test_attention_command_draws_cross_attention(torch, tmp_path):
+    """qkv attention SOURCE --target TEXT --model DIR: the cross-attention of the last layer by default."""
+    import os
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, d = _tiny_t5(torch, tmp_path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "qkv", "attention", *args], capture_output=True, text=True, timeout=300, env=env)
+
+    r = run("w5 w9 w12 w1", "--model", str(d), "--target", "w3 w4 w1", "--out", str(tmp_path / "a"), "--html", str(tmp_path / "a.html"))
+    assert r.returncode == 0, r.stderr
+    assert "target 3 tokens: ['w3', 'w4', 'w1']" in r.stdout
+    assert (tmp_path / "a" / "cross_layer2.png").stat().st_size > 1000 and (tmp_path / "a.html").stat().st_size > 1000
+    r = run("w5 w9 w12 w1", "--model", str(d), "--kind", "encoder", "--layer", "0", "--out", str(tmp_path / "b"))  # no --target: the model's own output
+    assert r.returncode == 0, r.stderr
+    assert "no --target: the model's own greedy output" in r.stderr and (tmp_path / "b" / "encoder_layer0.png").is_file()
+    r = run("hello", "--target", "x", "--out", str(tmp_path / "c"))
+    assert r.returncode == 2 and "--target and --kind need an encoder-decoder --model" in r.stderr

@@ -495,6 +495,67 @@ def cmd_search(args) -> int:
     return 0
 
 
+def _is_seq2seq(model_arg) -> bool:
+    """Whether --model names an encoder-decoder directory (T5, BART, Marian)."""
+    if model_arg is None or not model_arg.strip():
+        return False
+    cfg = Path(model_arg) / "config.json"
+    if cfg.is_file():
+        from .models.files import read_json
+        from .models.seq2seq_lm import SEQ2SEQ_FAMILIES
+
+        return read_json(cfg).get("model_type") in SEQ2SEQ_FAMILIES
+    return False
+
+
+def _attention_seq2seq(args, plots, out_dir) -> int:
+    """An encoder-decoder's attention: the cross-attention (target tokens over source tokens) by default,
+    or its encoder's or decoder's self-attention (--kind)."""
+    from .models import load_seq2seq_lm
+
+    lm = load_seq2seq_lm(args.model)
+    if lm.tokenizer is None:
+        raise CLIError(f"{args.model}: no tokenizer.json: qkv attention needs the model's tokenizer")
+    src = lm.tokenizer.backend.encode(args.text).ids
+    if args.target is None:
+        out = lm.generate(src, max_new_tokens=40)
+        tgt = out.token_ids
+        print(f"no --target: the model's own greedy output, {len(tgt)} tokens: {out.text!r}", file=sys.stderr)
+    else:
+        tgt = lm.tokenizer.backend.encode(_text(args.target), add_special_tokens=False).ids
+    if not tgt:
+        raise CLIError("the target is empty: give --target TEXT")
+    dec_in = [lm.config.decoder_start_token_id] + tgt[:-1]  # teacher forcing: row i predicts target token i
+    res = lm.forward([src], [dec_in], output_attentions=True)
+    kind = args.kind or "cross"
+    att = np.stack([a[0] for a in {"cross": res.cross_attentions, "encoder": res.encoder_attentions, "decoder": res.decoder_attentions}[kind]])  # (layers, H, L, S)
+    n_layers, n_heads = att.shape[:2]
+    if args.layer is not None and not 0 <= args.layer < n_layers:
+        raise CLIError(f"--layer should be in [0, {n_layers - 1}], got {args.layer}")
+    if args.head is not None and not 0 <= args.head < n_heads:
+        raise CLIError(f"--head should be in [0, {n_heads - 1}], got {args.head}")
+    token = lm.tokenizer.token
+    source, target, decoder = [token(i) for i in src], [token(i) for i in tgt], [token(i) for i in dec_in]
+    keys, queries = {"cross": (source, decoder), "encoder": (source, source), "decoder": (decoder, decoder)}[kind]
+    layer = n_layers - 1 if args.layer is None else args.layer
+    heads = list(range(n_heads)) if args.head is None else [args.head]
+    what = {"cross": "cross-attention (decoder rows over source columns)", "encoder": "encoder self-attention", "decoder": "decoder self-attention (causal)"}[kind]
+    written = []
+    if plots is not None:
+        title = f"{lm.name}: {what}, layer {layer}"
+        fig = plots.plot_attention(att[layer, heads], keys, query_tokens=queries, head_names=[f"head {h}" for h in heads], title=title, annotate=False)
+        written.append(plots.save(fig, out_dir / (f"{kind}_layer{layer}" + ("" if args.head is None else f"_head{args.head}") + ".png")))
+    if args.html is not None:
+        from . import explorer
+
+        written.append(explorer.write_html(args.html, att, queries, key_tokens=keys, layer_names=[f"{kind} {i}" for i in range(n_layers)], title=f"{lm.name}: {what}", layer=args.layer, head=args.head))
+    print(f"source {len(source)} tokens: {source}")
+    print(f"target {len(target)} tokens: {target}")
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def _is_causal_lm(model_arg) -> bool:
     """Whether --model names a causal LM (a .gguf file, or a directory of a decoder family)."""
     if model_arg is None or model_arg == ENCODER_NAME or not model_arg.strip():
@@ -683,6 +744,10 @@ def cmd_attention(args) -> int:
     if args.html is None or args.out is not None:  # --html alone writes no PNG (and needs no matplotlib)
         plots = _plots_module()
         out_dir = _out_dir("qkv-attention" if args.out is None else args.out)
+    if _is_seq2seq(args.model):
+        return _attention_seq2seq(args, plots, out_dir)
+    if args.target is not None or args.kind is not None:
+        raise CLIError("--target and --kind need an encoder-decoder --model (a T5, BART or Marian directory)")
     if args.model == DECODER_NAME or _is_causal_lm(args.model):
         return _attention_lm(args, plots, out_dir)
     enc = _load(args.model)
@@ -883,6 +948,8 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--model", metavar="NAME_OR_PATH", help=model_help + f"; {DECODER_NAME!r}, a .gguf file or a causal LM directory draws a decoder's (causal) attention")
     att.add_argument("--out", help="folder for the PNG (default ./qkv-attention/; with --html, a PNG only when --out is given)")
     att.add_argument("--html", metavar="FILE.html", help="also write the interactive explorer of every layer and head: one self-contained page (--layer/--head pick what it opens on)")
+    att.add_argument("--target", metavar="TEXT", help="with an encoder-decoder --model (T5, BART, Marian directory): the target text whose cross-attention over TEXT to draw (default: the model's own greedy output)")
+    att.add_argument("--kind", choices=("cross", "encoder", "decoder"), help="which attention of an encoder-decoder to draw (default cross)")
     att.add_argument("--scale", choices=("auto", "linear", "log"), default="auto", help="colour scale of the weights (default auto: log past 50 tokens, where most weights are small)")
     att.set_defaults(func=cmd_attention)
 

@@ -364,3 +364,25 @@ def test_attention_html_of_a_decoder_shows_its_windows(browser, tmp_path):
         page.tooltip(L - 20, 200, scroll=False)
         p.screenshot(path=str(IMAGES / "explorer_matrix_view.png"))
     page.assert_clean()
+
+
+def test_three_kinds_side_by_side_load_in_the_browser(browser, tmp_path):
+    """qkv train translate's heads.html: the encoder's, the decoder's and the cross-attention's explorers on
+    one page, each drawn from its own data, with nothing logged and nothing fetched."""
+    r = subprocess.run([sys.executable, "-m", "qkv", "train", "translate", "--steps", "20", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})
+    assert r.returncode == 0, r.stderr
+    page = browser.new_page(viewport={"width": 1800, "height": 1000})
+    console, requests = [], []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: console.append(f"error: {e}"))
+    page.on("request", lambda q: requests.append(q.url))
+    page.goto((tmp_path / "heads.html").resolve().as_uri())
+    frames = [f for f in page.frames if f != page.main_frame]
+    assert len(frames) == 3
+    shapes = []
+    for f in frames:
+        f.wait_for_selector("body[data-ready='true']", timeout=10_000)
+        shapes.append(f.evaluate("() => JSON.parse(document.getElementById('qkv-data').textContent).shape"))
+    assert shapes == [[2, 4, 10, 10]] * 3  # (layers, heads, queries, keys) of each kind
+    assert console == [] and all(u.startswith(("file:", "about:")) for u in requests), (console, requests)
+    page.close()

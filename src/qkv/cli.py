@@ -545,10 +545,19 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
         title = f"{lm.name}: {what}, layer {layer}"
         fig = plots.plot_attention(att[layer, heads], keys, query_tokens=queries, head_names=[f"head {h}" for h in heads], title=title, annotate=False)
         written.append(plots.save(fig, out_dir / (f"{kind}_layer{layer}" + ("" if args.head is None else f"_head{args.head}") + ".png")))
-    if args.html is not None:
-        from . import explorer
+    if args.html is not None:  # the three kinds side by side, each an explorer of every layer and head
+        from . import explorer, masks
 
-        written.append(explorer.write_html(args.html, att, queries, key_tokens=keys, layer_names=[f"{kind} {i}" for i in range(n_layers)], title=f"{lm.name}: {what}", layer=args.layer, head=args.head))
+        def view(ws, queries, keys, name, mask=None):
+            w = np.stack([a[0] for a in ws])  # (layers, H, L, S)
+            return dict(weights=w, tokens=queries, key_tokens=keys, mask=mask, layer_names=[f"{name} {i}" for i in range(len(ws))], layer=args.layer, head=args.head)
+
+        views = {
+            "encoder self-attention (source over source)": view(res.encoder_attentions, source, source, "encoder"),
+            "decoder self-attention (causal)": view(res.decoder_attentions, decoder, decoder, "decoder", masks.causal(len(decoder))),
+            "cross-attention (decoder rows over source columns)": view(res.cross_attentions, decoder, source, "cross"),
+        }
+        written.append(explorer.write_views_html(args.html, views, title=f"{lm.name}: encoder, decoder and cross-attention"))
     print(f"source {len(source)} tokens: {source}")
     print(f"target {len(target)} tokens: {target}")
     for path in written:
@@ -844,8 +853,14 @@ def cmd_train(args) -> int:
         for i, w in enumerate(seen["cross"]):
             fig = plots.plot_attention(w[0], source, query_tokens=target, title=tr.layer_title(args.task, i, len(seen["cross"]), strongest) + " (cross-attention)", annotate=False)
             files.append(plots.save(fig, out_dir / f"cross_layer{i}.png"))
-        files.append(explorer.write_html(out_dir / "heads.html", [w[0] for w in seen["cross"]], target, key_tokens=source,
-                                         layer_names=[f"cross {i}" for i in range(len(seen["cross"]))], title=f"qkv train {args.task}: the learned cross-attention"))  # fmt: skip
+        decoder = ["<start>"] + target[:-1]  # what the decoder reads: row i predicts target word i
+        n = len(seen["cross"])
+        views = {
+            "encoder self-attention": dict(weights=[w[0] for w in seen["encoder"]], tokens=source, layer_names=[f"encoder {i}" for i in range(n)]),
+            "decoder self-attention (causal)": dict(weights=[w[0] for w in seen["decoder"]], tokens=decoder, mask=masks.causal(len(decoder)), layer_names=[f"decoder {i}" for i in range(n)]),
+            "cross-attention (rows: the word each writes; the alignment)": dict(weights=[w[0] for w in seen["cross"]], tokens=target, key_tokens=source, layer_names=[f"cross {i}" for i in range(n)]),
+        }
+        files.append(explorer.write_views_html(out_dir / "heads.html", views, title=f"qkv train {args.task}: the three kinds of attention, learned"))
     else:
         _, _, weights = model.forward(x, want_weights=True)  # per layer (1, H, T, T)
         tokens = [str(t) for t in x[0]]

@@ -17,6 +17,11 @@ grey in the heatmaps, so a masked pair never looks like a weight of zero.
 
 Shapes: N layers, H heads, L queries, S keys.
 
+:func:`write_views_html` puts several explorers on one page, side by side:
+an encoder-decoder's three kinds of attention (encoder, decoder and cross),
+as bertviz's ``model_view(encoder_attention=, decoder_attention=,
+cross_attention=)`` shows them. Each is a whole explorer in its own frame.
+
 How the weights travel: each is stored as a 16-bit code ``round(w * 65534)``
 (65535 marks a masked pair), an absolute error of at most 7.7e-6, then
 deflated and base64-encoded; the page inflates them with the browser's own
@@ -40,7 +45,7 @@ import numpy as np
 from ._checks import as_array, as_bool_mask
 from ._files import write_atomic
 
-__all__ = ["render_html", "write_html", "stack_weights"]
+__all__ = ["render_html", "write_html", "render_views", "write_views_html", "stack_weights"]
 
 #: The largest 16-bit code of a weight; MASKED_CODE marks a masked pair.
 SCALE_CODE = 65534
@@ -232,13 +237,60 @@ def write_html(path, weights, tokens: Sequence[str], **options) -> Path:
     >>> " src=" in page or " href=" in page  # nothing to fetch: data and script are inline
     False
     """
+    return _write_page(path, lambda: render_html(weights, tokens, **options))
+
+
+def _write_page(path, render) -> Path:
+    """Check ``path``, render the page (every check of the data runs here), then write it atomically."""
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"path should end in .html, got {str(path)!r}")
     if not path.parent.is_dir():
         raise OSError(f"cannot write {str(path)!r}: folder {str(path.parent)!r} does not exist")
-    page = render_html(weights, tokens, **options).encode("utf-8")
+    page = render().encode("utf-8")
     try:
         return write_atomic(path, lambda f: f.write(page))
     except OSError as exc:
         raise OSError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def render_views(views: dict, *, title: str = "qkv attention explorer") -> str:
+    """One page of several explorers side by side: ``views`` maps a heading to the keyword arguments of
+    :func:`render_html` (``weights``, ``tokens``, ``key_tokens``, ...). Each view is checked as
+    :func:`render_html` checks it, then framed (``<iframe srcdoc>``: its script and ids stay its own)."""
+    if not isinstance(views, dict) or not views:
+        raise ValueError(f"views should be a non-empty dict of heading -> render_html arguments, got {type(views).__name__}")
+    frames = []
+    for heading, options in views.items():
+        if not isinstance(options, dict) or "weights" not in options or "tokens" not in options:
+            raise ValueError(f"views[{heading!r}] should be a dict with at least 'weights' and 'tokens'")
+        opts = dict(options)
+        page = render_html(opts.pop("weights"), opts.pop("tokens"), **{"title": str(heading), **opts})
+        frames.append(f'<iframe title="{html.escape(str(heading), quote=True)}" srcdoc="{html.escape(page, quote=True)}"></iframe>')  # the frame shows the heading
+    style = ("body{font-family:system-ui,sans-serif;margin:12px}main{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:12px}"
+             "iframe{width:100%;height:860px;border:1px solid #ccc}")  # fmt: skip
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{style}</style></head>'
+            f'<body><h1 style="font-size:18px">{html.escape(title)}</h1><main>{"".join(frames)}</main></body></html>')  # fmt: skip
+
+
+def write_views_html(path, views: dict, *, title: str = "qkv attention explorer") -> Path:
+    """Write :func:`render_views`'s page to ``path`` (``.html``), atomically, every view checked first.
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile, pathlib
+    >>> from qkv import masks, explorer, softmax
+    >>> rng = np.random.default_rng(0)
+    >>> enc = softmax(rng.normal(size=(2, 3, 3)))                                   # (H, S, S)
+    >>> dec = softmax(rng.normal(size=(2, 2, 2)), where=masks.causal(2))            # (H, T, T)
+    >>> cross = softmax(rng.normal(size=(2, 2, 3)))                                 # (H, T, S)
+    >>> src, tgt = ["le", "chat", "noir"], ["the", "cat"]
+    >>> out = pathlib.Path(tempfile.mkdtemp()) / "three.html"
+    >>> explorer.write_views_html(out, {"encoder": dict(weights=enc, tokens=src), "decoder": dict(weights=dec, tokens=tgt, mask=masks.causal(2)),
+    ...                                 "cross": dict(weights=cross, tokens=tgt, key_tokens=src)}).name
+    'three.html'
+    >>> out.read_text().count("<iframe")
+    3
+    """
+    return _write_page(path, lambda: render_views(views, title=title))

@@ -21,7 +21,7 @@ def _tiny_t5(torch, tmp_path, kind="t5", decoder_layers=3, eos_gain=1.0):
                       relative_attention_max_distance=20, feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated,
                       decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, initializer_factor=0.5)  # fmt: skip
     torch.manual_seed(0)
-    model = tf.T5ForConditionalGeneration(cfg).float().eval()
+    model = tf.T5ForConditionalGeneration._from_config(cfg, attn_implementation="eager").float().eval()
     with torch.no_grad():
         # transformers' own init makes a tiny model repeat one token whatever the source. Instead: norms
         # random around 1 (one applied wrongly shows), embeddings of equal norm (no token wins every
@@ -82,6 +82,7 @@ def test_t5_equals_transformers(kind, torch, tmp_path):
     assert out.logits.dtype == np.float32
     np.testing.assert_allclose(out.encoder_hidden, ref.encoder_last_hidden_state.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(out.logits, ref.logits.numpy(), atol=1e-4, rtol=0)
+    assert (len(ref.encoder_attentions), len(ref.decoder_attentions), len(ref.cross_attentions)) == (2, 3, 3)  # every layer's, compared below
     for mine, theirs in zip(out.encoder_attentions + out.decoder_attentions + out.cross_attentions, ref.encoder_attentions + ref.decoder_attentions + ref.cross_attentions):
         np.testing.assert_allclose(mine, theirs.numpy(), atol=1e-5, rtol=0)
     assert out.cross_attentions[0].shape == (2, 4, 10, 13)  # (B, H, T, S): every target token over the source
@@ -120,7 +121,7 @@ def test_seq2seq_errors(torch, tmp_path):
     _, d = _tiny_t5(torch, tmp_path)
     c = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**c, "model_type": "pegasus"}))
-    with pytest.raises(ModelError, match="model_type 'pegasus' is not a supported encoder-decoder; supported: \\['t5', 'bart', 'marian'\\]"):
+    with pytest.raises(ModelError, match="model_type 'pegasus' is not a supported encoder-decoder; supported: \\['t5', 'bart', 'marian', 'whisper'\\]"):
         load_seq2seq_lm(d)
     (d / "config.json").write_text(json.dumps(c))
     lm = load_seq2seq_lm(d)
@@ -165,10 +166,10 @@ def _tiny_bart(family, torch, tmp_path, gain=2.0, spread=1.0, activation="swish"
                   encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=40, pad_token_id=1, bos_token_id=0, eos_token_id=2)  # fmt: skip
     if family == "bart":
         cfg = tf.BartConfig(**common, decoder_start_token_id=2, forced_eos_token_id=2)
-        model = tf.BartForConditionalGeneration(cfg)
+        model = tf.BartForConditionalGeneration._from_config(cfg, attn_implementation="eager")  # sdpa returns no weights
     else:
         cfg = tf.MarianConfig(**common, decoder_start_token_id=1, activation_function=activation, scale_embedding=scale_embedding)
-        model = tf.MarianMTModel(cfg)
+        model = tf.MarianMTModel._from_config(cfg, attn_implementation="eager")
     torch.manual_seed(0)
     model = model.float().eval()
     with torch.no_grad():  # as for T5: varied outputs, norms and biases that matter
@@ -205,6 +206,7 @@ def test_bart_and_marian_equal_transformers(family, torch, tmp_path):
     out = lm.forward(src, dec, output_attentions=True)
     np.testing.assert_allclose(out.encoder_hidden, ref.encoder_last_hidden_state.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(out.logits, ref.logits.numpy(), atol=1e-4, rtol=0)
+    assert (len(ref.encoder_attentions), len(ref.decoder_attentions), len(ref.cross_attentions)) == (2, 2, 2)
     for mine, theirs in zip(out.encoder_attentions + out.decoder_attentions + out.cross_attentions, ref.encoder_attentions + ref.decoder_attentions + ref.cross_attentions):
         np.testing.assert_allclose(mine, theirs.numpy(), atol=1e-5, rtol=0)
 
@@ -263,3 +265,109 @@ def test_attention_command_draws_cross_attention(torch, tmp_path):
     assert "no --target: the model's own greedy output" in r.stderr and (tmp_path / "b" / "encoder_layer0.png").is_file()
     r = run("hello", "--target", "x", "--out", str(tmp_path / "c"))
     assert r.returncode == 2 and "--target and --kind need an encoder-decoder --model" in r.stderr
+
+
+# ------------------------------------------------------------------ Whisper
+
+
+def _audio():
+    t = np.arange(16_000 * 3) / 16_000
+    sweep = np.sin(2 * np.pi * (100 + 2_600 * t) * t) * 0.5  # 100 Hz rising through 8 kHz
+    noise = np.random.default_rng(0).standard_normal(16_000 * 2) * 0.1
+    return {"sweep": sweep, "silence": np.zeros(16_000), "noise": noise, "full 30 s": np.tile(noise, 15)}
+
+
+@pytest.mark.parametrize("kind", list(_audio()))
+def test_log_mel_equals_whisper_feature_extractor(kind):
+    """Against transformers' WhisperFeatureExtractor on its NumPy path (its torch path rounds the STFT in
+    float32: up to 6e-5 away from both)."""
+    from transformers import WhisperFeatureExtractor
+
+    from qkv.models.whisper import log_mel_spectrogram
+
+    audio = _audio()[kind]
+    for n_mels in (80, 128):
+        fe = WhisperFeatureExtractor(feature_size=n_mels)
+        padded = np.zeros(480_000)
+        padded[: audio.size] = audio
+        want = fe._np_extract_fbank_features(padded[None], "cpu")[0]
+        got = log_mel_spectrogram(audio, sampling_rate=16_000, n_mels=n_mels)
+        assert got.shape == want.shape == (n_mels, 3000) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_log_mel_refuses_what_whisper_cannot_hear():
+    from qkv.models.whisper import log_mel_spectrogram
+
+    with pytest.raises(ValueError, match="sampling_rate should be 16000 .*resample it first.*got 44100"):
+        log_mel_spectrogram(np.zeros(44_100), sampling_rate=44_100)
+    with pytest.raises(ValueError, match="audio is 31.0 s, longer than Whisper's 30 s window"):
+        log_mel_spectrogram(np.zeros(16_000 * 31), sampling_rate=16_000)
+    with pytest.raises(ValueError, match="audio should be 1-D samples"):
+        log_mel_spectrogram(np.zeros((2, 16_000)), sampling_rate=16_000)
+    with pytest.raises(ValueError, match="audio should be finite"):
+        log_mel_spectrogram(np.array([0.0, np.nan]), sampling_rate=16_000)
+
+
+def _tiny_whisper(torch, tmp_path, gain=6.0, spread=1.0):
+    import transformers as tf
+
+    cfg = tf.WhisperConfig(vocab_size=V, num_mel_bins=80, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=48, decoder_ffn_dim=48, max_source_positions=1500, max_target_positions=40, decoder_start_token_id=3,
+                           eos_token_id=2, pad_token_id=0, bos_token_id=3, suppress_tokens=None, begin_suppress_tokens=None)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.WhisperForConditionalGeneration._from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # as for T5: varied outputs, norms and biases that matter
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.copy_((1 if name.endswith("weight") else 0) + torch.randn_like(p) * 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "embed_tokens" in name:
+                p.normal_(0, 1.0)
+                p.mul_(spread / p.norm(dim=1, keepdim=True))
+            elif "encoder_attn.out_proj" in name:  # averaged over 1,500 frames it is nearly constant: kept small
+                p.normal_(0, 0.3 / p.shape[1] ** 0.5)
+            elif name.endswith(("out_proj.weight", "fc2.weight")):
+                p.normal_(0, gain / p.shape[1] ** 0.5)
+            elif p.ndim >= 2 and "embed_positions" not in name:
+                p.normal_(0, 1 / np.sqrt(np.prod(p.shape[1:])))
+    d = tmp_path / "whisper"
+    model.save_pretrained(d, safe_serialization=True)
+    return model, d
+
+
+def test_whisper_equals_transformers(torch, tmp_path):
+    from qkv.models.whisper import WhisperLM
+
+    model, d = _tiny_whisper(torch, tmp_path)
+    lm = load_seq2seq_lm(d)
+    assert isinstance(lm, WhisperLM)
+    feats = np.stack([lm.features(a, sampling_rate=16_000)[0] for a in (_audio()["sweep"], _audio()["noise"])])  # (2, 80, 3000)
+    dec = np.concatenate([np.full((2, 1), 3), np.random.default_rng(0).integers(4, V, size=(2, 8))], axis=1)
+    with torch.no_grad():
+        ref = model(input_features=torch.tensor(feats), decoder_input_ids=torch.tensor(dec), output_attentions=True)
+    out = lm.forward(feats, dec, output_attentions=True)
+    np.testing.assert_allclose(out.encoder_hidden, ref.encoder_last_hidden_state.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out.logits, ref.logits.numpy(), atol=1e-4, rtol=0)
+    assert len(ref.encoder_attentions) == len(ref.decoder_attentions) == len(ref.cross_attentions) == 2
+    for mine, theirs in zip(out.encoder_attentions + out.decoder_attentions + out.cross_attentions, ref.encoder_attentions + ref.decoder_attentions + ref.cross_attentions):
+        np.testing.assert_allclose(mine, theirs.numpy(), atol=1e-5, rtol=0)
+    assert out.cross_attentions[0].shape == (2, 4, 9, 1500)  # every target token over 1,500 audio positions
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_whisper_generate_equals_transformers(num_beams, torch, tmp_path):
+    model, d = _tiny_whisper(torch, tmp_path)
+    lm = load_seq2seq_lm(d)
+    varied = 0
+    for name, audio in _audio().items():
+        feats = lm.features(audio, sampling_rate=16_000)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor(feats), max_new_tokens=10, num_beams=num_beams).tolist()[0]  # without the start token
+        got = lm.generate(audio, max_new_tokens=10, num_beams=num_beams, sampling_rate=16_000).token_ids
+        assert got == ref[: len(got)] and all(t == 0 for t in ref[len(got) :]), (name, got, ref)
+        varied += len(set(got)) >= 3
+    assert varied >= 2
+    with pytest.raises(ValueError, match="sampling_rate should be 16000"):
+        lm.generate(np.zeros(8_000), sampling_rate=8_000)

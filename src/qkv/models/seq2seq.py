@@ -329,6 +329,10 @@ class Seq2SeqLM:
         B, S = ids.shape
         keep = None if attention_mask is None else self._source_keep(attention_mask, ids.shape)
         h = self._embed(ids, 0, self.encoder_positions, self.encoder_embed_norm, "the source")  # (B, S, E)
+        return self._encoder_stack(h, keep, output_attentions)
+
+    def _encoder_stack(self, h, keep, output_attentions: bool):  # (B, S, E) embedded -> the encoder's output
+        S = h.shape[1]
         pos = np.arange(S)
         bias = self._bias(self.encoder_bias_table, pos, pos, True)  # shared by every layer (T5)
         seen = []
@@ -427,11 +431,7 @@ class Seq2SeqLM:
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
         num_beams = check_int(num_beams, "num_beams", minimum=1)
         eos = self.config.eos_token_id
-        if isinstance(source, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids")
-            source = self.tokenizer.backend.encode(source).ids  # the file's own special tokens (T5: text </s>; BART: <s> text </s>)
-        src = self._ids(source, "source")
+        src = self._source(source)
         if len(src) != 1:
             raise ValueError(f"source should be one sequence, got a batch of {len(src)}")
         t0 = time.perf_counter()
@@ -452,7 +452,15 @@ class Seq2SeqLM:
         else:
             new, score, reason = self._beam_search(hidden, max_new_tokens, num_beams, float(length_penalty), early_stopping)
         text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
-        return Seq2SeqGenerateOutput(text, new, src[0].tolist(), reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)})
+        source_ids = src[0].tolist() if src.dtype.kind in "iu" else []  # audio features have no ids
+        return Seq2SeqGenerateOutput(text, new, source_ids, reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)})
+
+    def _source(self, source) -> np.ndarray:  # -> (1, S) token ids
+        if isinstance(source, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            source = self.tokenizer.backend.encode(source).ids  # the file's own special tokens (T5: text </s>; BART: <s> text </s>)
+        return self._ids(source, "source")
 
     def _beam_search(self, hidden, max_new_tokens, k, length_penalty, early_stopping):
         eos = self.config.eos_token_id

@@ -1,5 +1,5 @@
 """Load an encoder-decoder language model from a Hugging Face directory (``config.json``,
-``model.safetensors``, ``tokenizer.json``): model type ``t5``, ``bart`` or ``marian``. PyTorch is never
+``model.safetensors``, ``tokenizer.json``): model type ``t5``, ``bart``, ``marian`` or ``whisper``. PyTorch is never
 imported."""
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bart, t5
+from . import bart, t5, whisper
 from .errors import ModelError
 from .files import FieldReader, read_json, regular_file
 from .seq2seq import Seq2SeqLM
 
 __all__ = ["load_seq2seq_lm", "SEQ2SEQ_FAMILIES"]
 
-SEQ2SEQ_FAMILIES = ("t5", *bart.FAMILIES)
+SEQ2SEQ_FAMILIES = ("t5", *bart.FAMILIES, "whisper")
 
 
 def load_seq2seq_lm(path) -> Seq2SeqLM:
-    """An encoder-decoder model (T5, flan-t5, BART, Marian) from a Hugging Face directory, on qkv's attention.
+    """An encoder-decoder model (T5, flan-t5, BART, Marian, Whisper) from a Hugging Face directory, on qkv's attention.
 
     Raises
     ------
@@ -37,7 +37,8 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     if family not in SEQ2SEQ_FAMILIES:
         raise ModelError(f"{cfg_file}: model_type {family!r} is not a supported encoder-decoder; supported: {list(SEQ2SEQ_FAMILIES)}")
     get = FieldReader(c, str(cfg_file))
-    cfg = t5.config_from_hf(c, str(cfg_file), get) if family == "t5" else bart.config_from_hf(c, str(cfg_file), get)
+    reader = {"t5": t5.config_from_hf, "whisper": whisper.config_from_hf}.get(family, bart.config_from_hf)
+    cfg = reader(c, str(cfg_file), get)
     weights_file = regular_file(path / "model.safetensors", "qkv reads weights from one model.safetensors")
     try:
         from safetensors.numpy import load_file
@@ -62,20 +63,26 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
 
     has = weights.__contains__
     parts = {}
-    if family == "t5":
+    cls, extra_args = Seq2SeqLM, ()
+    if family == "whisper":
+        conv, embed, encoder, enc_norm, decoder, dec_norm, enc_pos, dec_pos = whisper.weights_from_hf(t, cfg, c, get)
+        head = None
+        cls, extra_args = whisper.WhisperLM, (conv,)
+        parts = dict(encoder_positions=enc_pos, decoder_positions=dec_pos)
+    elif family == "t5":
         embed, encoder, enc_norm, decoder, dec_norm, head, enc_bias, dec_bias = t5.weights_from_hf(t, cfg, has)
         parts = dict(encoder_bias_table=enc_bias, decoder_bias_table=dec_bias)
     else:
         embed, encoder, decoder, head, enc_pos, dec_pos, enc_en, dec_en, logits_bias = bart.weights_from_hf(t, cfg, has)
         enc_norm = dec_norm = None  # post-norm: no final norm
         parts = dict(encoder_positions=enc_pos, decoder_positions=dec_pos, encoder_embed_norm=enc_en, decoder_embed_norm=dec_en, final_logits_bias=logits_bias)
-    for name in ("model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight"):
+    for name in ("model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight", "proj_out.weight", "lm_head.weight"):
         if name in weights and name not in used and not np.array_equal(weights[name], embed):
-            raise ModelError(f"{weights_file}: {name!r} differs from the shared embeddings: separate source and target vocabularies are not supported")
+            raise ModelError(f"{weights_file}: {name!r} differs from the shared embeddings: separate source and target vocabularies (or an untied output layer here) are not supported")
     # The shared table saved again under each stack's name, and Marian's computed positions: not more model.
-    copies = {f"{p}{s}.{n}.weight" for p in ("", "model.") for s in ("encoder", "decoder") for n in ("embed_tokens", "embed_positions")} - used
+    copies = ({f"{p}{s}.{n}.weight" for p in ("", "model.") for s in ("encoder", "decoder") for n in ("embed_tokens", "embed_positions")} | {"proj_out.weight", "lm_head.weight"}) - used
     extra = sorted(set(weights) - used - copies)
     if extra:
         raise ModelError(f"{weights_file}: tensor {extra[0]!r} is not part of the model config.json describes ({len(extra)} unexpected tensors)")
-    tokenizer = tk.from_file(path / "tokenizer.json", {**c, "add_bos_token": False}) if (path / "tokenizer.json").is_file() else None
-    return Seq2SeqLM(cfg, embed, encoder, enc_norm, decoder, dec_norm, lm_head=head, tokenizer=tokenizer, name=path.resolve().name, **parts)
+    tokenizer = tk.from_file(path / "tokenizer.json", {**c, "add_bos_token": False, "eos_token_id": cfg.eos_token_id}) if (path / "tokenizer.json").is_file() else None
+    return cls(cfg, *extra_args, embed, encoder, enc_norm, decoder, dec_norm, lm_head=head, tokenizer=tokenizer, name=path.resolve().name, **parts)

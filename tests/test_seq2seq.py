@@ -371,3 +371,35 @@ def test_whisper_generate_equals_transformers(num_beams, torch, tmp_path):
     assert varied >= 2
     with pytest.raises(ValueError, match="sampling_rate should be 16000"):
         lm.generate(np.zeros(8_000), sampling_rate=8_000)
+
+
+def test_whisper_reads_a_wav_and_the_attention_command_draws_it(torch, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import wave
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from qkv.models.whisper import read_wav
+
+    _, d = _tiny_whisper(torch, tmp_path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    sweep = _audio()["sweep"]
+    for rate, name in ((16_000, "ok.wav"), (44_100, "cd.wav")):
+        with wave.open(str(tmp_path / name), "wb") as f:
+            f.setnchannels(2)
+            f.setsampwidth(2)
+            f.setframerate(rate)
+            pcm = np.round(np.repeat(sweep[:, None], 2, axis=1) * 32767).astype("<i2")  # the same sound in both channels
+            f.writeframes(pcm.tobytes())
+    audio, rate = read_wav(tmp_path / "ok.wav")
+    assert rate == 16_000 and audio.shape == sweep.shape and np.abs(audio - sweep).max() < 1e-4  # 16-bit rounding
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    r = subprocess.run([sys.executable, "-m", "qkv", "attention", str(tmp_path / "ok.wav"), "--model", str(d), "--target", "w5 w6", "--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "source 1500 positions (20 ms each)" in r.stdout and (tmp_path / "a" / "cross_layer1.png").stat().st_size > 1000
+    r = subprocess.run([sys.executable, "-m", "qkv", "attention", str(tmp_path / "cd.wav"), "--model", str(d), "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0 and "sampling_rate should be 16000" in r.stderr and "resample" in r.stderr

@@ -516,7 +516,17 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
     lm = load_seq2seq_lm(args.model)
     if lm.tokenizer is None:
         raise CLIError(f"{args.model}: no tokenizer.json: qkv attention needs the model's tokenizer")
-    src = lm.tokenizer.backend.encode(args.text).ids
+    if lm.config.family == "whisper":  # the source is a recording: TEXT names a .wav file
+        from .models.whisper import read_wav
+
+        if not Path(args.text).is_file():
+            raise CLIError(f"a Whisper model listens: TEXT should be a .wav file (16 kHz), got {args.text!r}")
+        audio, rate = read_wav(args.text)
+        src = lm.features(audio, sampling_rate=rate)  # (1, n_mels, 3000)
+        source_tokens = [f"{t * 0.02:.2f}s" for t in range(1500)]  # an encoder position is 20 ms of audio
+    else:
+        src = lm.tokenizer.backend.encode(args.text).ids
+        source_tokens = None
     if args.target is None:
         out = lm.generate(src, max_new_tokens=40)
         tgt = out.token_ids
@@ -526,7 +536,7 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
     if not tgt:
         raise CLIError("the target is empty: give --target TEXT")
     dec_in = [lm.config.decoder_start_token_id] + tgt[:-1]  # teacher forcing: row i predicts target token i
-    res = lm.forward([src], [dec_in], output_attentions=True)
+    res = lm.forward(src if source_tokens is not None else [src], [dec_in], output_attentions=True)
     kind = args.kind or "cross"
     att = np.stack([a[0] for a in {"cross": res.cross_attentions, "encoder": res.encoder_attentions, "decoder": res.decoder_attentions}[kind]])  # (layers, H, L, S)
     n_layers, n_heads = att.shape[:2]
@@ -535,22 +545,24 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
     if args.head is not None and not 0 <= args.head < n_heads:
         raise CLIError(f"--head should be in [0, {n_heads - 1}], got {args.head}")
     token = lm.tokenizer.token
-    source, target, decoder = [token(i) for i in src], [token(i) for i in tgt], [token(i) for i in dec_in]
+    source = source_tokens or [token(i) for i in src]
+    target, decoder = [token(i) for i in tgt], [token(i) for i in dec_in]
     keys, queries = {"cross": (source, decoder), "encoder": (source, source), "decoder": (decoder, decoder)}[kind]
     layer = n_layers - 1 if args.layer is None else args.layer
     heads = list(range(n_heads)) if args.head is None else [args.head]
     what = {"cross": "cross-attention (decoder rows over source columns)", "encoder": "encoder self-attention", "decoder": "decoder self-attention (causal)"}[kind]
     written = []
+    scale = args.scale if args.scale != "auto" else ("log" if len(keys) > 50 else "linear")  # long sources: most weights are small
     if plots is not None:
         title = f"{lm.name}: {what}, layer {layer}"
-        fig = plots.plot_attention(att[layer, heads], keys, query_tokens=queries, head_names=[f"head {h}" for h in heads], title=title, annotate=False)
+        fig = plots.plot_attention(att[layer, heads], keys, query_tokens=queries, head_names=[f"head {h}" for h in heads], title=title, annotate=False, scale=scale)
         written.append(plots.save(fig, out_dir / (f"{kind}_layer{layer}" + ("" if args.head is None else f"_head{args.head}") + ".png")))
     if args.html is not None:  # the three kinds side by side, each an explorer of every layer and head
         from . import explorer, masks
 
         def view(ws, queries, keys, name, mask=None):
             w = np.stack([a[0] for a in ws])  # (layers, H, L, S)
-            return dict(weights=w, tokens=queries, key_tokens=keys, mask=mask, layer_names=[f"{name} {i}" for i in range(len(ws))], layer=args.layer, head=args.head)
+            return dict(weights=w, tokens=queries, key_tokens=keys, mask=mask, layer_names=[f"{name} {i}" for i in range(len(ws))], layer=args.layer, head=args.head, scale=scale)
 
         views = {
             "encoder self-attention (source over source)": view(res.encoder_attentions, source, source, "encoder"),
@@ -558,7 +570,7 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
             "cross-attention (decoder rows over source columns)": view(res.cross_attentions, decoder, source, "cross"),
         }
         written.append(explorer.write_views_html(args.html, views, title=f"{lm.name}: encoder, decoder and cross-attention"))
-    print(f"source {len(source)} tokens: {source}")
+    print(f"source {len(source)} " + ("positions (20 ms each)" if source_tokens else f"tokens: {source}"))
     print(f"target {len(target)} tokens: {target}")
     for path in written:
         print(f"wrote {path}")
@@ -963,7 +975,7 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--model", metavar="NAME_OR_PATH", help=model_help + f"; {DECODER_NAME!r}, a .gguf file or a causal LM directory draws a decoder's (causal) attention")
     att.add_argument("--out", help="folder for the PNG (default ./qkv-attention/; with --html, a PNG only when --out is given)")
     att.add_argument("--html", metavar="FILE.html", help="also write the interactive explorer of every layer and head: one self-contained page (--layer/--head pick what it opens on)")
-    att.add_argument("--target", metavar="TEXT", help="with an encoder-decoder --model (T5, BART, Marian directory): the target text whose cross-attention over TEXT to draw (default: the model's own greedy output)")
+    att.add_argument("--target", metavar="TEXT", help="with an encoder-decoder --model (T5, BART, Marian directory; Whisper: TEXT is a 16 kHz .wav file): the target text whose cross-attention over TEXT to draw (default: the model's own greedy output)")
     att.add_argument("--kind", choices=("cross", "encoder", "decoder"), help="which attention of an encoder-decoder to draw (default cross)")
     att.add_argument("--scale", choices=("auto", "linear", "log"), default="auto", help="colour scale of the weights (default auto: log past 50 tokens, where most weights are small)")
     att.set_defaults(func=cmd_attention)

@@ -219,7 +219,10 @@ def plot_attention(
     below = (x_label_in if rotate else 0.15) + 0.3  # under a panel: its key labels
     beside = label_in(queries, L) + 0.3  # left of a panel: its query labels
     title_in = 0.09 * max(map(len, names), default=0) + 0.2  # a panel's title must not reach its neighbour's
-    fig = Figure(figsize=(ncols * max(S * cell + beside, title_in) + 1.8, nrows * (L * cell + below + 0.35) + 0.9), layout="constrained")
+    # Far more keys than queries (a decoder's few tokens over 1,500 audio positions): square cells would
+    # make a strip a few pixels high; its rows get a readable height instead (cells no longer square).
+    row = cell if S <= 8 * L else max(cell, min(0.3, 2.5 / max(L, 1)))
+    fig = Figure(figsize=(ncols * max(S * cell + beside, title_in) + 1.8, nrows * (L * row + below + 0.35) + 0.9), layout="constrained")
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
     if scale not in ("linear", "log"):
         raise ValueError(f"scale should be 'linear' or 'log', got {scale!r}")
@@ -231,7 +234,7 @@ def plot_attention(
             ax.set_axis_off()
             continue
         data = np.ma.masked_array(w[h], mask=~keep[h])
-        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="equal", interpolation="nearest")
+        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="equal" if row == cell else "auto", interpolation="nearest")
         if hatch:  # hatch masked cells: "not allowed", not "weight 0" (large panels: the grey alone)
             ys, xs = np.nonzero(~keep[h])
             for y, x in zip(ys, xs):

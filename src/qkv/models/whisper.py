@@ -20,7 +20,7 @@ from .errors import ModelError
 from .functional import ACTIVATIONS
 from .seq2seq import Attention, Seq2SeqConfig, Seq2SeqLayer, Seq2SeqLM
 
-__all__ = ["SAMPLING_RATE", "CHUNK_SECONDS", "mel_filters", "log_mel_spectrogram", "WhisperLM", "config_from_hf", "weights_from_hf"]
+__all__ = ["SAMPLING_RATE", "CHUNK_SECONDS", "mel_filters", "log_mel_spectrogram", "read_wav", "WhisperLM", "config_from_hf", "weights_from_hf"]
 
 SAMPLING_RATE = 16_000  #: samples a second Whisper was trained on
 CHUNK_SECONDS = 30  #: the encoder hears 30 s at a time
@@ -97,6 +97,31 @@ def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.nd
     log = np.log10(mel)[:, :-1]  # (n_mels, 3000): the last frame is dropped, as Whisper does
     log = np.maximum(log, log.max() - 8.0)
     return ((log + 4.0) / 4.0).astype(np.float32)
+
+
+def read_wav(path) -> tuple[np.ndarray, int]:  # -> (samples,) float32 in [-1, 1], sampling rate
+    """A PCM ``.wav`` file (8, 16, 24 or 32-bit integers) as mono float samples and its sampling rate, with
+    Python's own ``wave`` module; channels are averaged. Compressed or float WAVs are a ValueError."""
+    import wave
+
+    try:
+        with wave.open(str(path), "rb") as f:
+            rate, channels, width, n = f.getframerate(), f.getnchannels(), f.getsampwidth(), f.getnframes()
+            if n > SAMPLING_RATE * CHUNK_SECONDS * 8:  # bound what is read before reading it
+                raise ValueError(f"{path}: {n / rate:.0f} s of audio is far past Whisper's {CHUNK_SECONDS} s window")
+            data = f.readframes(n)
+    except (wave.Error, EOFError) as exc:
+        raise ValueError(f"{path}: not a PCM WAV file qkv can read ({exc})") from None
+    if width == 3:  # 24-bit: widen each sample to 32 bits
+        b = np.frombuffer(data, np.uint8).reshape(-1, 3)
+        raw = (b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8) | (b[:, 2].astype(np.int8).astype(np.int32) << 16)).astype(np.float64) / 2**23
+    elif width in (1, 2, 4):
+        kind = {1: np.uint8, 2: "<i2", 4: "<i4"}[width]
+        raw = np.frombuffer(data, kind).astype(np.float64)
+        raw = (raw - 128) / 128 if width == 1 else raw / 2 ** (8 * width - 1)
+    else:
+        raise ValueError(f"{path}: {8 * width}-bit samples are not supported")
+    return raw.reshape(-1, channels).mean(axis=1).astype(np.float32), rate
 
 
 def _conv1d(x, w, b, stride: int):  # (B, C_in, T), (C_out, C_in, 3), (C_out,) -> (B, C_out, T')

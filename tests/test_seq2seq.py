@@ -403,3 +403,16 @@ def test_whisper_reads_a_wav_and_the_attention_command_draws_it(torch, tmp_path)
     assert "source 1500 positions (20 ms each)" in r.stdout and (tmp_path / "a" / "cross_layer1.png").stat().st_size > 1000
     r = subprocess.run([sys.executable, "-m", "qkv", "attention", str(tmp_path / "cd.wav"), "--model", str(d), "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0 and "sampling_rate should be 16000" in r.stderr and "resample" in r.stderr
+
+
+def test_separate_target_embeddings_are_refused(torch, tmp_path):
+    """A checkpoint whose decoder has embeddings of its own (Marian with share_encoder_decoder_embeddings
+    false) is refused by name rather than run with the shared table."""
+    from safetensors.numpy import load_file, save_file
+
+    _, d = _tiny_bart("bart", torch, tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    w["model.decoder.embed_tokens.weight"] = w["model.shared.weight"] + 1
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ModelError, match="'model.decoder.embed_tokens.weight' differs from the shared embeddings"):
+        load_seq2seq_lm(d)

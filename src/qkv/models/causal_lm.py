@@ -14,12 +14,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import numpy as np
-
 from . import bloom, gemma2, gemma3, gpt2, gpt_oss, llama
 from .decoder import CausalLM
 from .errors import ModelError
-from .files import FieldReader, read_json, regular_file
+from .files import FieldReader, TensorReader, read_json, regular_file
 
 __all__ = ["load_causal_lm", "default_causal_lm_path", "DEFAULT_CAUSAL_LM_PACKAGE", "HF_FAMILIES", "GGUF_ARCHITECTURES"]
 
@@ -106,30 +104,8 @@ def _load_hf(path: Path) -> CausalLM:
     family = c.get("model_type")
     if family not in HF_FAMILIES:
         raise ModelError(f"{cfg_file}: model_type {family!r} is not a supported causal LM; supported: {list(HF_FAMILIES)}")
-    weights_file = regular_file(path / "model.safetensors", "qkv reads weights from one model.safetensors")
-    try:
-        from safetensors.numpy import load_file
-    except ImportError:
-        raise ImportError("qkv.models needs safetensors: pip install 'qkv[models]'") from None
-    try:
-        weights = load_file(str(weights_file))
-    except Exception as exc:  # truncated, foreign, or bf16 (NumPy has no bfloat16)
-        raise ModelError(f"{weights_file}: cannot read safetensors ({exc}); qkv needs float32 or float16 tensors") from None
-    used: set = set()
-
-    def t(name, shape):
-        if name not in weights:
-            raise ModelError(f"{weights_file}: missing tensor {name!r}")
-        arr = weights[name]
-        if tuple(arr.shape) != tuple(shape):
-            raise ModelError(f"{weights_file}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(arr.shape)}")
-        if arr.dtype.kind != "f":
-            raise ModelError(f"{weights_file}: tensor {name!r} should be floating point, got {arr.dtype}")
-        used.add(name)
-        return np.ascontiguousarray(arr, dtype=np.float32)
-
-    def has(name):
-        return name in weights
+    t = TensorReader(path)  # t(name, shape): a checked float32 tensor
+    has = t.__contains__
 
     positions = embed_norm = None
     if family == "gemma3_text":
@@ -154,9 +130,9 @@ def _load_hf(path: Path) -> CausalLM:
     # A checkpoint whose tensors do not all fit the config (more layers than num_hidden_layers,
     # say) is not this model: refuse it rather than silently run part of it.
     ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    extra = sorted(n for n in set(weights) - used - ignorable if not n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")))
+    extra = [n for n in t.unread() if n not in ignorable and not n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))]
     if extra:
-        raise ModelError(f"{weights_file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
+        raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
     tokenizer = tk.from_file(path / "tokenizer.json", c)
     template, origin = None, f"{path}: chat template"
     if (path / "chat_template.jinja").is_file():

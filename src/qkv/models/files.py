@@ -106,3 +106,43 @@ class FieldReader:
         if bad:
             raise ModelError(f"{self.source}: field {key!r} should be {bad}, got {v!r}")
         return kind(v)
+
+
+class TensorReader:
+    """The tensors of a directory's ``model.safetensors``, each read checked: ``t(name, shape)`` gives it
+    as contiguous float32, or a :class:`ModelError` naming the file and the tensor (missing, misshapen, not
+    floating point). ``used`` collects the names read, so a loader can refuse tensors its model has no
+    place for; ``name in t`` tells whether the file has one.
+    """
+
+    def __init__(self, directory: Path):
+        self.file = regular_file(Path(directory) / "model.safetensors", "qkv reads weights from one model.safetensors")
+        try:
+            from safetensors.numpy import load_file
+        except ImportError:
+            raise ImportError("qkv.models needs safetensors: pip install 'qkv[models]'") from None
+        try:
+            self.weights = load_file(str(self.file))
+        except Exception as exc:  # truncated, foreign, or bf16 (NumPy has no bfloat16)
+            raise ModelError(f"{self.file}: cannot read safetensors ({exc}); qkv needs float32 or float16 tensors") from None
+        self.used: set = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def __call__(self, name: str, shape):
+        import numpy as np
+
+        if name not in self.weights:
+            raise ModelError(f"{self.file}: missing tensor {name!r}")
+        arr = self.weights[name]
+        if tuple(arr.shape) != tuple(shape):
+            raise ModelError(f"{self.file}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(arr.shape)}")
+        if arr.dtype.kind != "f":
+            raise ModelError(f"{self.file}: tensor {name!r} should be floating point, got {arr.dtype}")
+        self.used.add(name)
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    def unread(self) -> list:
+        """The file's tensors no ``t(...)`` asked for, sorted."""
+        return sorted(set(self.weights) - self.used)

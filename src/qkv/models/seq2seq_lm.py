@@ -10,7 +10,7 @@ import numpy as np
 
 from . import bart, t5, whisper
 from .errors import ModelError
-from .files import FieldReader, read_json, regular_file
+from .files import FieldReader, TensorReader, read_json
 from .seq2seq import Seq2SeqLM
 
 __all__ = ["load_seq2seq_lm", "SEQ2SEQ_FAMILIES"]
@@ -39,29 +39,8 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     get = FieldReader(c, str(cfg_file))
     reader = {"t5": t5.config_from_hf, "whisper": whisper.config_from_hf}.get(family, bart.config_from_hf)
     cfg = reader(c, str(cfg_file), get)
-    weights_file = regular_file(path / "model.safetensors", "qkv reads weights from one model.safetensors")
-    try:
-        from safetensors.numpy import load_file
-    except ImportError:
-        raise ImportError("qkv.models needs safetensors: pip install 'qkv[models]'") from None
-    try:
-        weights = load_file(str(weights_file))
-    except Exception as exc:
-        raise ModelError(f"{weights_file}: cannot read safetensors ({exc}); qkv needs float32 or float16 tensors") from None
-    used: set = set()
-
-    def t(name, shape):
-        if name not in weights:
-            raise ModelError(f"{weights_file}: missing tensor {name!r}")
-        arr = weights[name]
-        if tuple(arr.shape) != tuple(shape):
-            raise ModelError(f"{weights_file}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(arr.shape)}")
-        if arr.dtype.kind != "f":
-            raise ModelError(f"{weights_file}: tensor {name!r} should be floating point, got {arr.dtype}")
-        used.add(name)
-        return np.ascontiguousarray(arr, dtype=np.float32)
-
-    has = weights.__contains__
+    t = TensorReader(path)  # t(name, shape): a checked float32 tensor
+    has = t.__contains__
     parts = {}
     cls, extra_args = Seq2SeqLM, ()
     if family == "whisper":
@@ -77,12 +56,12 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
         enc_norm = dec_norm = None  # post-norm: no final norm
         parts = dict(encoder_positions=enc_pos, decoder_positions=dec_pos, encoder_embed_norm=enc_en, decoder_embed_norm=dec_en, final_logits_bias=logits_bias)
     for name in ("model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight", "proj_out.weight", "lm_head.weight"):
-        if name in weights and name not in used and not np.array_equal(weights[name], embed):
-            raise ModelError(f"{weights_file}: {name!r} differs from the shared embeddings: separate source and target vocabularies (or an untied output layer here) are not supported")
+        if name in t and name not in t.used and not np.array_equal(t.weights[name], embed):
+            raise ModelError(f"{t.file}: {name!r} differs from the shared embeddings: separate source and target vocabularies (or an untied output layer here) are not supported")
     # The shared table saved again under each stack's name, and Marian's computed positions: not more model.
-    copies = ({f"{p}{s}.{n}.weight" for p in ("", "model.") for s in ("encoder", "decoder") for n in ("embed_tokens", "embed_positions")} | {"proj_out.weight", "lm_head.weight"}) - used
-    extra = sorted(set(weights) - used - copies)
+    copies = {f"{p}{s}.{n}.weight" for p in ("", "model.") for s in ("encoder", "decoder") for n in ("embed_tokens", "embed_positions")} | {"proj_out.weight", "lm_head.weight"}
+    extra = [n for n in t.unread() if n not in copies]
     if extra:
-        raise ModelError(f"{weights_file}: tensor {extra[0]!r} is not part of the model config.json describes ({len(extra)} unexpected tensors)")
+        raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({len(extra)} unexpected tensors)")
     tokenizer = tk.from_file(path / "tokenizer.json", {**c, "add_bos_token": False, "eos_token_id": cfg.eos_token_id}) if (path / "tokenizer.json").is_file() else None
     return cls(cfg, *extra_args, embed, encoder, enc_norm, decoder, dec_norm, lm_head=head, tokenizer=tokenizer, name=path.resolve().name, **parts)

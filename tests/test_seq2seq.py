@@ -129,7 +129,7 @@ def test_seq2seq_errors(torch, tmp_path):
         lm.generate([5, 64])
     with pytest.raises(ValueError, match="num_beams should be >= 1"):
         lm.generate([5, 6], num_beams=0)
-    with pytest.raises(TypeError, match="input_ids should be integer token ids"):
+    with pytest.raises(TypeError, match="input_ids should be integers, got dtype float64"):
         lm.encode([1.5, 2.0])
     with pytest.raises(ModelError, match="an encoder-decoder model is a Hugging Face directory"):
         load_seq2seq_lm(d / "config.json")

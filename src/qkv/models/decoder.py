@@ -228,6 +228,25 @@ class GenerateOutput:
     timings: dict = field(default_factory=dict)
 
 
+def check_token_ids(ids, vocab_size: int, name: str = "input_ids") -> tuple[np.ndarray, bool]:  # (L,) or (B, L) -> (B, L) int64, unbatched
+    """Token ids checked for every model: integers (floats are an error, never truncated), (L,) or (B, L)
+    with L >= 1, each in [0, vocab_size); returned as (B, L) int64 and whether a batch axis was added."""
+    if isinstance(ids, str):
+        raise TypeError(f"{name} should be token ids, got a str: use lm.tokenizer.encode(text) or lm.generate(text)")
+    a = np.asarray(ids)
+    if a.dtype == object or (a.size and a.dtype.kind not in "iu"):
+        raise TypeError(f"{name} should be integers, got dtype {a.dtype}")
+    if a.ndim not in (1, 2):
+        raise ValueError(f"{name} should be (L,) or (B, L), got shape {a.shape}")
+    if a.shape[-1] == 0:
+        raise ValueError(f"{name} is empty: give at least one token")
+    if a.min() < 0 or a.max() >= vocab_size:
+        bad = a[(a < 0) | (a >= vocab_size)].ravel()[0]
+        raise ValueError(f"{name} should lie in [0, {vocab_size - 1}], got {int(bad)}")
+    unbatched = a.ndim == 1
+    return a.astype(np.int64)[None] if unbatched else a.astype(np.int64), unbatched
+
+
 def _norm(cfg: DecoderConfig, x: np.ndarray, w: tuple) -> np.ndarray:
     if cfg.norm == "rms":
         return rms_norm(x, w[0], cfg.norm_eps)
@@ -307,21 +326,7 @@ class CausalLM:
 
     # ------------------------------------------------------------------ forward
     def _ids(self, input_ids) -> tuple[np.ndarray, bool]:
-        if isinstance(input_ids, str):
-            raise TypeError("input_ids should be token ids, got a str: use lm.tokenizer.encode(text) or lm.generate(text)")
-        ids = np.asarray(input_ids)
-        if ids.dtype == object or (ids.size and ids.dtype.kind not in "iu"):
-            raise TypeError(f"input_ids should be integers, got dtype {ids.dtype}")
-        if ids.ndim not in (1, 2):
-            raise ValueError(f"input_ids should be (L,) or (B, L), got shape {ids.shape}")
-        if ids.shape[-1] == 0:
-            raise ValueError("input_ids is empty: give at least one token")
-        V = self.config.vocab_size
-        if ids.min() < 0 or ids.max() >= V:
-            bad = ids[(ids < 0) | (ids >= V)].ravel()[0]
-            raise ValueError(f"input_ids should lie in [0, {V - 1}], got {int(bad)}")
-        unbatched = ids.ndim == 1
-        return ids.astype(np.int64)[None] if unbatched else ids.astype(np.int64), unbatched
+        return check_token_ids(input_ids, self.config.vocab_size)
 
     def forward(self, input_ids, cache: KVCache | None = None, *, attention_mask=None, output_attentions: bool = False, output_hidden_states: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
         """Run the model over ``input_ids`` (after what ``cache`` holds).

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..attention import scaled_dot_product_attention
 from ..cache import KVCache
+from .decoder import check_token_ids
 from .errors import ModelError
 from .functional import ACTIVATIONS, layer_norm, rms_norm
 
@@ -156,13 +157,6 @@ class Seq2SeqCache:
     def __len__(self) -> int:
         return len(self.self_kv)
 
-    def select(self, rows) -> None:
-        """Keep batch rows ``rows`` (beam search: the beams that go on), in this order."""
-        rows = np.asarray(rows)
-        self.cross_kv = [(k[rows], v[rows]) for k, v in self.cross_kv]
-        if self.source_keep is not None:
-            self.source_keep = self.source_keep[rows]
-        self.self_kv.reorder(rows)
 
 
 def t5_buckets(query_pos, key_pos, *, bidirectional: bool, num_buckets: int, max_distance: int) -> np.ndarray:  # (L,), (S,) -> (L, S)
@@ -309,18 +303,8 @@ class Seq2SeqLM:
         buckets = t5_buckets(query_pos, key_pos, bidirectional=bidirectional, num_buckets=c.num_buckets, max_distance=c.max_distance)
         return np.ascontiguousarray(table[buckets].transpose(2, 0, 1))[None]  # (L, S, H) -> (1, H, L, S)
 
-    def _ids(self, ids, name: str) -> np.ndarray:
-        a = np.asarray(ids)
-        if a.dtype == object or (a.size and a.dtype.kind not in "iu"):
-            raise TypeError(f"{name} should be integer token ids, got dtype {a.dtype}")
-        if a.ndim == 1:
-            a = a[None]
-        if a.ndim != 2 or a.shape[1] == 0:
-            raise ValueError(f"{name} should be (L,) or (B, L) with L >= 1, got shape {np.shape(ids)}")
-        V = self.config.vocab_size
-        if a.min() < 0 or a.max() >= V:
-            raise ValueError(f"{name} should lie in [0, {V - 1}], got {int(a[(a < 0) | (a >= V)].ravel()[0])}")
-        return a.astype(np.int64)
+    def _ids(self, ids, name: str) -> np.ndarray:  # -> (B, L) int64
+        return check_token_ids(ids, self.config.vocab_size, name)[0]
 
     # ------------------------------------------------------------------ the two stacks
     def encode(self, input_ids, *, attention_mask=None, output_attentions: bool = False):
@@ -464,7 +448,9 @@ class Seq2SeqLM:
 
     def _beam_search(self, hidden, max_new_tokens, k, length_penalty, early_stopping):
         eos = self.config.eos_token_id
-        cache = self.new_cache(np.repeat(hidden, k, axis=0))  # (k, S, E): one row a beam
+        # One row a beam in the self-attention cache; the cross-attention's keys and values are the
+        # source's, the same for every beam: computed once, (1, H, S, D), broadcast over the beams.
+        cache = self.new_cache(hidden)
         running = [[] for _ in range(k)]  # the new tokens of each running beam
         run_scores = np.full(k, -1e9, np.float32)
         run_scores[0] = 0  # one beam to start: the others are copies that must not win
@@ -501,7 +487,7 @@ class Seq2SeqLM:
             running = [running[beam[i]] + [int(tok[i])] for i in go]
             run_scores = sc[go].astype(np.float32)
             tokens = tok[go]
-            cache.select(beam[go])
+            cache.self_kv.reorder(beam[go])
             # Stop once the best running beam, at the current length, cannot beat the worst finished one.
             if len(done) == k and run_scores[0] / (length**length_penalty) <= min(done_scores):
                 improvable = False

@@ -19,7 +19,7 @@ import numpy as np
 from .errors import ModelError
 from .seq2seq import Attention, Seq2SeqConfig, Seq2SeqLayer
 
-__all__ = ["FAMILIES", "config_from_hf", "weights_from_hf", "sinusoidal_table"]
+__all__ = ["FAMILIES", "config_from_hf", "weights_from_hf", "sinusoidal_table", "sizes", "layer_reader"]
 
 FAMILIES = ("bart", "marian")
 
@@ -42,14 +42,54 @@ def sinusoidal_table(num_positions: int, dim: int) -> np.ndarray:  # -> (P, E) f
     return out
 
 
-def config_from_hf(c: dict, source: str, get) -> Seq2SeqConfig:
-    family = c.get("model_type")
+def sizes(source: str, get) -> tuple[int, int]:
+    """``(d_model, heads)`` of a BART-shaped config (BART, Marian, Whisper), the encoder's and decoder's
+    heads and MLP sizes checked to be the same (qkv's core has one of each)."""
     E = get("d_model", int)
     H = get("encoder_attention_heads", int)
     if get("decoder_attention_heads", int, H) != H or get("decoder_ffn_dim", int, get("encoder_ffn_dim", int)) != get("encoder_ffn_dim", int):
         raise ModelError(f"{source}: encoder and decoder with different heads or MLP sizes are not supported")
     if E % H:
         raise ModelError(f"{source}: d_model {E} is not a whole number of {H} heads")
+    return E, H
+
+
+def common_fields(source: str, get) -> dict:
+    """The :class:`Seq2SeqConfig` fields every BART-shaped config (BART, Marian, Whisper) gives alike."""
+    E, H = sizes(source, get)
+    return dict(vocab_size=get("vocab_size", int), hidden_size=E, num_heads=H, head_dim=E // H, ffn_size=get("encoder_ffn_dim", int),
+                encoder_layers=get("encoder_layers", int), decoder_layers=get("decoder_layers", int), norm="layer", norm_eps=1e-5,
+                activation=get("activation_function", str, "gelu"), query_scale=(E // H) ** -0.5, tie_embeddings=True)  # fmt: skip
+
+
+def layer_reader(t, E: int, F: int, *, key_bias: bool = True):
+    """``layer(prefix, cross)``: a BART-shaped layer (``self_attn``, ``encoder_attn`` when ``cross``,
+    ``fc1``/``fc2``, their LayerNorms) read by ``t(name, shape)``; Whisper's keys have no bias."""
+
+    def lin(name, n_out, n_in, bias=True):
+        return t(name + ".weight", (n_out, n_in)), (t(name + ".bias", (n_out,)) if bias else None)
+
+    def attention(p):
+        (wq, bq), (wk, bk), (wv, bv), (wo, bo) = lin(p + "q_proj", E, E), lin(p + "k_proj", E, E, key_bias), lin(p + "v_proj", E, E), lin(p + "out_proj", E, E)
+        return Attention(wq, wk, wv, wo, bq, bk, bv, bo)
+
+    def norm(name):
+        return t(name + ".weight", (E,)), t(name + ".bias", (E,))
+
+    def layer(p, cross: bool):
+        w_in, b_in = lin(p + "fc1", F, E)
+        w_out, b_out = lin(p + "fc2", E, F)
+        return Seq2SeqLayer(attention(p + "self_attn."), norm(p + "self_attn_layer_norm"), norm(p + "final_layer_norm"), w_in, w_out,
+                            cross=attention(p + "encoder_attn.") if cross else None, cross_norm=norm(p + "encoder_attn_layer_norm") if cross else None,
+                            b_in=b_in, b_out=b_out)  # fmt: skip
+
+    return layer
+
+
+def config_from_hf(c: dict, source: str, get) -> Seq2SeqConfig:
+    family = c.get("model_type")
+    common = common_fields(source, get)
+    E = common["hidden_size"]
     if get("normalize_before", bool, False) or get("add_final_layer_norm", bool, False):
         raise ModelError(f"{source}: pre-norm BART variants (mBART's normalize_before) are not supported")
     marian = family == "marian"
@@ -59,20 +99,8 @@ def config_from_hf(c: dict, source: str, get) -> Seq2SeqConfig:
         raise ModelError(f"{source}: forced_eos_token_id should be a token id below vocab_size, got {forced!r}")
     return Seq2SeqConfig(
         family=family,
-        vocab_size=get("vocab_size", int),
-        hidden_size=E,
-        num_heads=H,
-        head_dim=E // H,
-        ffn_size=get("encoder_ffn_dim", int),
-        encoder_layers=get("encoder_layers", int),
-        decoder_layers=get("decoder_layers", int),
-        norm="layer",
-        norm_eps=1e-5,
-        activation=get("activation_function", str, "gelu"),
-        gated_ffn=False,
-        query_scale=(E // H) ** -0.5,
+        **common,
         position="sinusoidal" if marian else "learned",
-        tie_embeddings=True,
         decoder_start_token_id=int(c.get("decoder_start_token_id", c.get("pad_token_id", 0) if marian else 2)),
         eos_token_id=eos,
         pad_token_id=c.get("pad_token_id", 1),
@@ -91,23 +119,13 @@ def weights_from_hf(t, cfg: Seq2SeqConfig, has):
     E, F = cfg.hidden_size, cfg.ffn_size
     pre = "model." if has("model.shared.weight") else ""
 
-    def lin(name, n_out, n_in):
-        return t(pre + name + ".weight", (n_out, n_in)), t(pre + name + ".bias", (n_out,))
-
-    def attention(p):
-        (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (lin(p + n, E, E) for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
-        return Attention(wq, wk, wv, wo, bq, bk, bv, bo)
+    def tp(name, shape):  # the tensors under BartForConditionalGeneration's "model."
+        return t(pre + name, shape)
 
     def norm(name):
-        return t(pre + name + ".weight", (E,)), t(pre + name + ".bias", (E,))
+        return tp(name + ".weight", (E,)), tp(name + ".bias", (E,))
 
-    def layer(p, cross: bool):
-        w_in, b_in = lin(p + "fc1", F, E)
-        w_out, b_out = lin(p + "fc2", E, F)
-        return Seq2SeqLayer(attention(p + "self_attn."), norm(p + "self_attn_layer_norm"), norm(p + "final_layer_norm"), w_in, w_out,
-                            cross=attention(p + "encoder_attn.") if cross else None, cross_norm=norm(p + "encoder_attn_layer_norm") if cross else None,
-                            b_in=b_in, b_out=b_out)  # fmt: skip
-
+    layer = layer_reader(tp, E, F)
     encoder = [layer(f"encoder.layers.{i}.", False) for i in range(cfg.encoder_layers)]
     decoder = [layer(f"decoder.layers.{i}.", True) for i in range(cfg.decoder_layers)]
     embed = t(pre + "shared.weight", (cfg.vocab_size, E))

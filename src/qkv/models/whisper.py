@@ -18,7 +18,8 @@ import numpy as np
 
 from .errors import ModelError
 from .functional import ACTIVATIONS
-from .seq2seq import Attention, Seq2SeqConfig, Seq2SeqLayer, Seq2SeqLM
+from . import bart
+from .seq2seq import Seq2SeqConfig, Seq2SeqLM
 
 __all__ = ["SAMPLING_RATE", "CHUNK_SECONDS", "mel_filters", "log_mel_spectrogram", "read_wav", "WhisperLM", "config_from_hf", "weights_from_hf"]
 
@@ -178,26 +179,12 @@ class WhisperLM(Seq2SeqLM):
 
 
 def config_from_hf(c: dict, source: str, get) -> Seq2SeqConfig:
-    E, H = get("d_model", int), get("encoder_attention_heads", int)
-    if get("decoder_attention_heads", int, H) != H or get("decoder_ffn_dim", int) != get("encoder_ffn_dim", int):
-        raise ModelError(f"{source}: encoder and decoder with different heads or MLP sizes are not supported")
-    if E % H:
-        raise ModelError(f"{source}: d_model {E} is not a whole number of {H} heads")
+    common = bart.common_fields(source, get)  # Whisper's config is BART's, with audio
+    E = common["hidden_size"]
     return Seq2SeqConfig(
         family="whisper",
-        vocab_size=get("vocab_size", int),
-        hidden_size=E,
-        num_heads=H,
-        head_dim=E // H,
-        ffn_size=get("encoder_ffn_dim", int),
-        encoder_layers=get("encoder_layers", int),
-        decoder_layers=get("decoder_layers", int),
-        norm="layer",
-        norm_eps=1e-5,
-        activation=get("activation_function", str, "gelu"),
-        query_scale=(E // H) ** -0.5,
+        **common,
         position="learned",
-        tie_embeddings=True,
         decoder_start_token_id=get("decoder_start_token_id", int, 50258),
         eos_token_id=c.get("eos_token_id", 50257),
         pad_token_id=c.get("pad_token_id", 50257),
@@ -215,23 +202,10 @@ def weights_from_hf(t, cfg: Seq2SeqConfig, c: dict, get):
     if src_pos * 2 != FRAMES:
         raise ModelError(f"max_source_positions should be {FRAMES // 2} (30 s of audio), got {src_pos}")
 
-    def lin(name, n_out, n_in, bias=True):
-        return t(name + ".weight", (n_out, n_in)), (t(name + ".bias", (n_out,)) if bias else None)
-
-    def attention(p):
-        (wq, bq), (wk, _), (wv, bv), (wo, bo) = lin(p + "q_proj", E, E), lin(p + "k_proj", E, E, bias=False), lin(p + "v_proj", E, E), lin(p + "out_proj", E, E)
-        return Attention(wq, wk, wv, wo, bq, None, bv, bo)
-
     def norm(name):
         return t(name + ".weight", (E,)), t(name + ".bias", (E,))
 
-    def layer(p, cross):
-        w_in, b_in = lin(p + "fc1", F, E)
-        w_out, b_out = lin(p + "fc2", E, F)
-        return Seq2SeqLayer(attention(p + "self_attn."), norm(p + "self_attn_layer_norm"), norm(p + "final_layer_norm"), w_in, w_out,
-                            cross=attention(p + "encoder_attn.") if cross else None, cross_norm=norm(p + "encoder_attn_layer_norm") if cross else None,
-                            b_in=b_in, b_out=b_out)  # fmt: skip
-
+    layer = bart.layer_reader(t, E, F, key_bias=False)  # BART's layers, keys without bias
     m = "model."
     conv = (t(m + "encoder.conv1.weight", (E, n_mels, 3)), t(m + "encoder.conv1.bias", (E,)), t(m + "encoder.conv2.weight", (E, E, 3)), t(m + "encoder.conv2.bias", (E,)))
     encoder = [layer(f"{m}encoder.layers.{i}.", False) for i in range(cfg.encoder_layers)]

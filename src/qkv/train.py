@@ -139,6 +139,21 @@ class ModelConfig:
     dtype: str = "float32"  # float64 for checking gradients by finite differences
 
 
+def _init(config: ModelConfig, rng):
+    """``(generator, dtype, normal(shape, std))`` for a model's parameters, the dtype checked."""
+    gen = as_rng(0 if rng is None else rng, "rng")
+    dt = np.dtype(config.dtype)
+    if dt.kind != "f":
+        raise TypeError(f"config.dtype should be a float dtype, got {config.dtype!r}")
+    return gen, dt, lambda shape, std: (gen.standard_normal(shape) * std).astype(dt)
+
+
+def _attention_params(params: dict, prefix: str, mha: MultiHeadAttention) -> None:
+    """The layer's projections under ``prefix.w_query`` ...: views, so an update in place reaches the layer."""
+    for name in ("w_query", "w_key", "w_value", "w_out", "b_query", "b_key", "b_value", "b_out"):
+        params[f"{prefix}.{name}"] = getattr(mha, name)
+
+
 class TinyTransformer:
     """A small decoder-only transformer whose every parameter has an analytic gradient.
 
@@ -149,19 +164,14 @@ class TinyTransformer:
 
     def __init__(self, config: ModelConfig, *, rng=None):
         self.config = c = config
-        gen = as_rng(0 if rng is None else rng, "rng")
-        dt = np.dtype(c.dtype)
-        if dt.kind != "f":
-            raise TypeError(f"config.dtype should be a float dtype, got {c.dtype!r}")
-        normal = lambda shape, std: (gen.standard_normal(shape) * std).astype(dt)  # noqa: E731
+        gen, dt, normal = _init(c, rng)
         self.params = {"tok": normal((c.vocab, c.dim), 0.5), "pos": normal((c.length, c.dim), 0.5), "unembed": normal((c.dim, c.vocab), 1 / math.sqrt(c.dim))}
         self.attn = []
         for i in range(c.layers):
             self.params[f"ln{i}.g"], self.params[f"ln{i}.b"] = np.ones(c.dim, dt), np.zeros(c.dim, dt)
             mha = MultiHeadAttention(c.dim, c.heads, rng=gen, dtype=dt)
             self.attn.append(mha)
-            for name in ("w_query", "w_key", "w_value", "w_out", "b_query", "b_key", "b_value", "b_out"):
-                self.params[f"attn{i}.{name}"] = getattr(mha, name)  # views: updating them updates the layer
+            _attention_params(self.params, f"attn{i}", mha)
             if c.mlp:
                 self.params[f"mlpln{i}.g"], self.params[f"mlpln{i}.b"] = np.ones(c.dim, dt), np.zeros(c.dim, dt)
                 self.params[f"mlp{i}.w1"] = normal((c.dim, c.mlp_hidden), 1 / math.sqrt(c.dim))
@@ -245,11 +255,7 @@ class TinySeq2Seq:
 
     def __init__(self, config: ModelConfig, *, rng=None):
         self.config = c = config
-        gen = as_rng(0 if rng is None else rng, "rng")
-        dt = np.dtype(c.dtype)
-        if dt.kind != "f":
-            raise TypeError(f"config.dtype should be a float dtype, got {c.dtype!r}")
-        normal = lambda shape, std: (gen.standard_normal(shape) * std).astype(dt)  # noqa: E731
+        gen, dt, normal = _init(c, rng)
         p = self.params = {}
         for side in ("enc", "dec"):
             p[f"{side}.tok"], p[f"{side}.pos"] = normal((c.vocab, c.dim), 0.5), normal((c.length, c.dim), 0.5)
@@ -260,8 +266,7 @@ class TinySeq2Seq:
                 name = f"{kind}{i}"
                 p[f"{name}.ln.g"], p[f"{name}.ln.b"] = np.ones(c.dim, dt), np.zeros(c.dim, dt)
                 mha = self.attn[name] = MultiHeadAttention(c.dim, c.heads, rng=gen, dtype=dt)
-                for w in ("w_query", "w_key", "w_value", "w_out", "b_query", "b_key", "b_value", "b_out"):
-                    p[f"{name}.{w}"] = getattr(mha, w)  # views: updating them updates the layer
+                _attention_params(p, name, mha)
         for name in ("enc.lnf", "lnf"):
             p[f"{name}.g"], p[f"{name}.b"] = np.ones(c.dim, dt), np.zeros(c.dim, dt)
 
@@ -283,7 +288,7 @@ class TinySeq2Seq:
         """
         p, c = self.params, self.config
         src, dec_in = (np.asarray(a) for a in inputs)
-        (B, S), T = src.shape, dec_in.shape[1]
+        S, T = src.shape[1], dec_in.shape[1]
         if max(S, T) > c.length:
             raise ValueError(f"source and target lengths should be at most {c.length}, got {S} and {T}")
         seen = {"encoder": [], "decoder": [], "cross": []} if want_weights else None
@@ -303,29 +308,28 @@ class TinySeq2Seq:
         hf, lnf = layer_norm(x, p["lnf.g"], p["lnf.b"])
         logits = hf @ p["unembed"]  # (B, T, V)
 
-        def backward(d_logits):
-            g = {"unembed": hf.reshape(-1, c.dim).T @ d_logits.reshape(-1, c.vocab)}
-            dx, g["lnf.g"], g["lnf.b"] = layer_norm_vjp(lnf, p["lnf.g"], d_logits @ p["unembed"].T)
+        def back_through(steps, dx, g, side, ids):
+            """The residual stream's gradient back through ``steps`` into ``side``'s embeddings; returns
+            what the cross-attentions among them sent to the memory (their keys and values came from it)."""
             d_memory = np.zeros_like(memory)
-            for name, ln, back in reversed(dec_steps):  # the residual passes dx through; each branch adds its own
+            for name, ln, back in reversed(steps):  # the residual passes dx through; each branch adds its own
                 dh, d_mem, _, grads = back(dx)
-                if d_mem is not None:  # cross-attention: keys and values came from the memory
+                if d_mem is not None:
                     d_memory += d_mem
                 g.update({f"{name}.{k}": v for k, v in grads.items()})
                 d_in, g[f"{name}.ln.g"], g[f"{name}.ln.b"] = layer_norm_vjp(ln, p[f"{name}.ln.g"], dh)
                 dx = dx + d_in
-            g["dec.tok"] = embedding_vjp(p["dec.tok"].shape, dec_in, dx)
-            g["dec.pos"] = np.zeros_like(p["dec.pos"])
-            g["dec.pos"][:T] = dx.sum(axis=0)
+            g[f"{side}.tok"] = embedding_vjp(p[f"{side}.tok"].shape, ids, dx)
+            g[f"{side}.pos"] = np.zeros_like(p[f"{side}.pos"])
+            g[f"{side}.pos"][: ids.shape[1]] = dx.sum(axis=0)
+            return d_memory
+
+        def backward(d_logits):
+            g = {"unembed": hf.reshape(-1, c.dim).T @ d_logits.reshape(-1, c.vocab)}
+            dx, g["lnf.g"], g["lnf.b"] = layer_norm_vjp(lnf, p["lnf.g"], d_logits @ p["unembed"].T)
+            d_memory = back_through(dec_steps, dx, g, "dec", dec_in)
             dm, g["enc.lnf.g"], g["enc.lnf.b"] = layer_norm_vjp(ln_mem, p["enc.lnf.g"], d_memory)
-            for name, ln, back in reversed(enc_steps):
-                dh, _, _, grads = back(dm)
-                g.update({f"{name}.{k}": v for k, v in grads.items()})
-                d_in, g[f"{name}.ln.g"], g[f"{name}.ln.b"] = layer_norm_vjp(ln, p[f"{name}.ln.g"], dh)
-                dm = dm + d_in
-            g["enc.tok"] = embedding_vjp(p["enc.tok"].shape, src, dm)
-            g["enc.pos"] = np.zeros_like(p["enc.pos"])
-            g["enc.pos"][:S] = dm.sum(axis=0)
+            back_through(enc_steps, dm, g, "enc", src)  # the encoder has no cross-attention: nothing comes back
             return g
 
         return (logits, backward, seen) if want_weights else (logits, backward)

@@ -43,8 +43,24 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
     )
 
 
-def weights_from_hf(t, cfg: DecoderConfig, has):
+def _layers(cfg: DecoderConfig, lin, ln, prefix: str, names) -> list:
+    """The blocks, whichever file names them: ``lin(name, n_in, n_out) -> (w (out, in), b)``, ``ln(name)
+    -> (weight, bias)``, ``names`` = (attention norm, qkv, attention output, MLP norm, up, down)."""
     E, F = cfg.hidden_size, cfg.intermediate_size
+    attn_norm, qkv, out, mlp_norm, up, down = names
+    layers = []
+    for i in range(cfg.num_layers):
+        p = prefix.format(i)
+        w_qkv, b_qkv = lin(p + qkv, E, 3 * E)
+        w_out, b_out = lin(p + out, E, E)
+        w_up, b_up = lin(p + up, E, F)
+        w_down, b_down = lin(p + down, F, E)
+        layers.append(DecoderLayer(attn_norm=ln(p + attn_norm), w_qkv=w_qkv, b_qkv=b_qkv, w_out=w_out, b_out=b_out, mlp_norm=ln(p + mlp_norm), w_up=w_up, b_up=b_up, w_down=w_down, b_down=b_down))
+    return layers
+
+
+def weights_from_hf(t, cfg: DecoderConfig, has):
+    E = cfg.hidden_size
     pre = "transformer." if has("transformer.wte.weight") else ""
 
     def conv(name, n_in, n_out):  # Conv1D (in, out) -> (out, in), as nn.Linear stores it
@@ -53,14 +69,7 @@ def weights_from_hf(t, cfg: DecoderConfig, has):
     def ln(name):
         return t(pre + name + ".weight", (E,)), t(pre + name + ".bias", (E,))
 
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"h.{i}."
-        w_qkv, b_qkv = conv(p + "attn.c_attn", E, 3 * E)
-        w_out, b_out = conv(p + "attn.c_proj", E, E)
-        w_up, b_up = conv(p + "mlp.c_fc", E, F)
-        w_down, b_down = conv(p + "mlp.c_proj", F, E)
-        layers.append(DecoderLayer(attn_norm=ln(p + "ln_1"), w_qkv=w_qkv, b_qkv=b_qkv, w_out=w_out, b_out=b_out, mlp_norm=ln(p + "ln_2"), w_up=w_up, b_up=b_up, w_down=w_down, b_down=b_down))
+    layers = _layers(cfg, conv, ln, "h.{}.", ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"))
     embed = t(pre + "wte.weight", (cfg.vocab_size, E))
     positions = t(pre + "wpe.weight", (cfg.max_positions, E))
     return embed, layers, ln("ln_f"), positions
@@ -96,7 +105,7 @@ def config_from_gguf(g) -> DecoderConfig:
 def weights_from_gguf(g, cfg: DecoderConfig, *, keep_quantized: bool = True):
     """``(embed, layers, final_norm, positions, lm_head)`` from llama.cpp's names. Its converter
     stores the ``Conv1D`` weights transposed, (out, in), as qkv keeps them."""
-    E, F = cfg.hidden_size, cfg.intermediate_size
+    E = cfg.hidden_size
 
     def lin(name, n_in, n_out):
         return g.matrix(name + ".weight", (n_out, n_in), keep_quantized=keep_quantized), g.tensor(name + ".bias", (n_out,))
@@ -104,14 +113,7 @@ def weights_from_gguf(g, cfg: DecoderConfig, *, keep_quantized: bool = True):
     def ln(name):
         return g.tensor(name + ".weight", (E,)), g.tensor(name + ".bias", (E,))
 
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"blk.{i}."
-        w_qkv, b_qkv = lin(p + "attn_qkv", E, 3 * E)
-        w_out, b_out = lin(p + "attn_output", E, E)
-        w_up, b_up = lin(p + "ffn_up", E, F)
-        w_down, b_down = lin(p + "ffn_down", F, E)
-        layers.append(DecoderLayer(attn_norm=ln(p + "attn_norm"), w_qkv=w_qkv, b_qkv=b_qkv, w_out=w_out, b_out=b_out, mlp_norm=ln(p + "ffn_norm"), w_up=w_up, b_up=b_up, w_down=w_down, b_down=b_down))
+    layers = _layers(cfg, lin, ln, "blk.{}.", ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"))
     embed = g.matrix("token_embd.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)
     positions = g.tensor("position_embd.weight", (cfg.max_positions, E))
     head = None if cfg.tie_embeddings else g.matrix("output.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)

@@ -361,7 +361,11 @@ def test_main_returns_the_interrupted_status_to_python_callers(monkeypatch, caps
     assert capsys.readouterr().err.strip() == "qkv: interrupted"
 
 
-def test_a_text_too_long_for_memory_is_one_line():
-    r = run("demo", " ".join(["word"] * 20_000), "--no-plots")  # an argument of at most 128 KiB (Linux)
+@pytest.mark.parametrize("words", [1025, 6000, 20_000])
+def test_the_demo_is_bounded_before_it_works(words):
+    """6,000 words once took 7.4 GB and 2 minutes: a text past the demo's bound is one line, at once."""
+    r = run("demo", " ".join(["word"] * words), "--no-plots")  # an argument of at most 128 KiB (Linux)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("qkv: error: the demo's per-head 20000 x 20000 tables needs") and "use a shorter TEXT" in r.stderr
+    assert r.stderr.startswith(f"qkv: error: TEXT has {words:,} tokens") and "give at most 1,024 tokens" in r.stderr
+    r = run("demo", " ".join(["word"] * 1024), "--no-plots", "--format", "json")
+    assert r.returncode == 0 and len(json.loads(r.stdout)["tokens"]) == 1024

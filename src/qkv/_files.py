@@ -3,12 +3,55 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Callable, IO
 
 import numpy as np
 
-__all__ = ["write_atomic", "NpyRows"]
+__all__ = ["write_atomic", "NpyRows", "MAX_TEXT_BYTES", "read_bounded", "readline_bounded", "open_input"]
+
+#: One read limit for every text qkv takes whole (a TEXT or prompt from standard input or a file, a
+#: chat turn, one line of a corpus): 16 MiB, some thirty times a 128k-token context. A longer input
+#: (``/dev/zero``, a binary file by mistake) is an error naming it, before memory runs out.
+MAX_TEXT_BYTES = 1 << 24
+
+
+def _too_long(what: str, limit: int) -> ValueError:
+    return ValueError(f"{what} is longer than {limit >> 20} MiB, more than qkv reads as one text (is it the right file?)")
+
+
+def read_bounded(f: IO[bytes], what: str, limit: int = MAX_TEXT_BYTES) -> bytes:
+    """All of binary stream ``f``, or a ValueError naming ``what`` once it passes ``limit`` bytes."""
+    data = f.read(limit + 1)
+    if len(data) > limit:
+        raise _too_long(what, limit)
+    return data
+
+
+def readline_bounded(f: IO[bytes], what: str, limit: int = MAX_TEXT_BYTES) -> bytes:
+    """One line of binary stream ``f`` (with its newline; b"" at the end), bounded as :func:`read_bounded`."""
+    line = f.readline(limit + 1)
+    if len(line) > limit:
+        raise _too_long(what, limit)
+    return line
+
+
+def open_input(path, what: str) -> IO[bytes]:
+    """``path`` opened for reading as a binary stream, never blocking on the open: a FIFO no program
+    writes to reads as empty instead of waiting forever (a pipe from ``<(...)`` reads as usual). A
+    folder is an error naming ``what``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(21, "is a folder, not a file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)  # opened without waiting for a writer; from here read as usual
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> Path:

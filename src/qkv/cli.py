@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._files import write_atomic
+from ._files import open_input, read_bounded, readline_bounded, write_atomic
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 
@@ -31,6 +31,8 @@ class CLIError(Exception):
 MASKED = "--"
 #: Longer texts get a summary instead of full tables (--full prints them all).
 MAX_TABLE_TOKENS = 16
+#: The longest TEXT the demo takes (it keeps every weight of every head, as tables, pictures and JSON).
+MAX_DEMO_TOKENS = 1024
 
 
 #: A TEXT (or PROMPT, QUERY) of "-" is read from standard input, in every command.
@@ -41,7 +43,7 @@ def _read_stdin(name: str) -> str:
     """The whole of standard input as one text (a final newline dropped), strictly UTF-8."""
     if sys.stdin is None or sys.stdin.isatty():
         raise CLIError(f"{name} is '-' (read from standard input) but nothing is piped in: e.g. echo 'some text' | qkv ... -")
-    data = sys.stdin.buffer.read()
+    data = read_bounded(sys.stdin.buffer, f"{name} from standard input")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -155,10 +157,10 @@ def _demo(args) -> dict:
     out_dir = None if args.no_plots else _out_dir(args.out)
     html_path = None if args.html is None else _html_path(args.html)
 
-    from ._checks import check_fits
-
     L = len(tokens)
-    check_fits(8 * args.heads * L * L * 4, f"the demo's per-head {L} x {L} tables", "use a shorter TEXT")
+    if L > MAX_DEMO_TOKENS:  # every weight is kept, printed or drawn: 6,000 words took 7.4 GB and 2 minutes
+        raise CLIError(f"TEXT has {L:,} tokens; the demo keeps, draws and can print every one of its {args.heads} heads' {L:,} x {L:,} weights "
+                       f"({args.heads * L * L:,} numbers): give at most {MAX_DEMO_TOKENS:,} tokens (for a long text: qkv attention TEXT --html FILE.html)")  # fmt: skip
     if plots is not None and L > 50:
         print(f"qkv: {L} tokens: computing and drawing 4 pictures...", file=sys.stderr, flush=True)
     # One generator, drawn in a fixed order: the embedding table, then the layer.
@@ -495,17 +497,24 @@ def cmd_search(args) -> int:
     return 0
 
 
-def _is_seq2seq(model_arg) -> bool:
-    """Whether --model names an encoder-decoder directory (T5, BART, Marian)."""
+def _model_type(model_arg) -> str | None:
+    """The model_type of the Hugging Face directory --model names, or None (no directory, no config.json)."""
     if model_arg is None or not model_arg.strip():
-        return False
+        return None
     cfg = Path(model_arg) / "config.json"
     if cfg.is_file():
         from .models.files import read_json
-        from .models.seq2seq_lm import SEQ2SEQ_FAMILIES
 
-        return read_json(cfg).get("model_type") in SEQ2SEQ_FAMILIES
-    return False
+        found = read_json(cfg).get("model_type")
+        return found if isinstance(found, str) else repr(found)
+    return None
+
+
+def _is_seq2seq(model_arg) -> bool:
+    """Whether --model names an encoder-decoder directory (T5, BART, Marian, Whisper)."""
+    from .models.seq2seq_lm import SEQ2SEQ_FAMILIES
+
+    return _model_type(model_arg) in SEQ2SEQ_FAMILIES
 
 
 def _attention_seq2seq(args, plots, out_dir) -> int:
@@ -516,6 +525,9 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
     lm = load_seq2seq_lm(args.model)
     if lm.tokenizer is None:
         raise CLIError(f"{args.model}: no tokenizer.json: qkv attention needs the model's tokenizer")
+    kind = args.kind or "cross"
+    n_layers = lm.config.encoder_layers if kind == "encoder" else lm.config.decoder_layers
+    _check_layer_head(args, n_layers, lm.config.num_heads)  # before any work: decoding takes a while
     if lm.config.family == "whisper":  # the source is a recording: TEXT names a .wav file
         from .models.whisper import read_wav
 
@@ -527,23 +539,20 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
     else:
         src = lm.tokenizer.backend.encode(args.text).ids
         source_tokens = None
-    if args.target is None:
+    if args.target is None and kind == "encoder":  # the encoder's attention needs no target
+        tgt = []
+    elif args.target is None:
         out = lm.generate(src, max_new_tokens=40)
         tgt = out.token_ids
         print(f"no --target: the model's own greedy output, {len(tgt)} tokens: {out.text!r}", file=sys.stderr)
     else:
         tgt = lm.tokenizer.backend.encode(_text(args.target), add_special_tokens=False).ids
-    if not tgt:
+    if not tgt and kind != "encoder":
         raise CLIError("the target is empty: give --target TEXT")
     dec_in = [lm.config.decoder_start_token_id] + tgt[:-1]  # teacher forcing: row i predicts target token i
     res = lm.forward(src if source_tokens is not None else [src], [dec_in], output_attentions=True)
-    kind = args.kind or "cross"
     att = np.stack([a[0] for a in {"cross": res.cross_attentions, "encoder": res.encoder_attentions, "decoder": res.decoder_attentions}[kind]])  # (layers, H, L, S)
     n_layers, n_heads = att.shape[:2]
-    if args.layer is not None and not 0 <= args.layer < n_layers:
-        raise CLIError(f"--layer should be in [0, {n_layers - 1}], got {args.layer}")
-    if args.head is not None and not 0 <= args.head < n_heads:
-        raise CLIError(f"--head should be in [0, {n_heads - 1}], got {args.head}")
     token = lm.tokenizer.token
     source = source_tokens or [token(i) for i in src]
     target, decoder = [token(i) for i in tgt], [token(i) for i in dec_in]
@@ -571,7 +580,8 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
         }
         written.append(explorer.write_views_html(args.html, views, title=f"{lm.name}: encoder, decoder and cross-attention"))
     print(f"source {len(source)} " + ("positions (20 ms each)" if source_tokens else f"tokens: {source}"))
-    print(f"target {len(target)} tokens: {target}")
+    if target:
+        print(f"target {len(target)} tokens: {target}")
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -621,6 +631,25 @@ class _Stream:
         print(text[len(self.shown) :] if text.startswith(self.shown) else "")
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "0": "\0"}
+
+
+def unescape(text: str) -> str:
+    r"""Backslash escapes in an option, as llama.cpp reads them: ``\n``, ``\t``, ``\r``, ``\\``, ``\'``,
+    ``\"``, ``\0`` and ``\xNN``; any other backslash stays as it is.
+
+    >>> unescape(r"\n\nQ:") == "\n\nQ:", unescape(r"a\x41\\n\q")
+    (True, 'aA\\n\\q')
+    """
+    import re
+
+    def one(m):
+        e = m.group(1)
+        return chr(int(e[1:], 16)) if e[0] == "x" else _ESCAPES[e]
+
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|[ntr\\'\"0])", one, text)
+
+
 def _sampling(args) -> dict:
     """The sampling options of generate and chat, checked: keyword arguments for CausalLM.generate."""
     if args.temperature == 0:  # greedy: the sampling options would be ignored
@@ -641,7 +670,7 @@ def _sampling(args) -> dict:
             raise CLIError(f"--{name.replace('_', '-')} should be in (0, 1], got {v}")
     if not 0 < args.repetition_penalty < float("inf"):
         raise CLIError(f"--repetition-penalty should be a finite number > 0 (1 = none), got {args.repetition_penalty}")
-    stop = args.stop or []
+    stop = [unescape(x) for x in args.stop or []]
     if any(not x for x in stop):
         raise CLIError("--stop should be a non-empty string")
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=stop, seed=args.seed)
@@ -671,7 +700,9 @@ def cmd_generate(args) -> int:
         if args.prompt is not None:
             raise CLIError("give PROMPT or --prompt-file, not both")
         try:
-            prompt = _text(Path(args.prompt_file).read_text(encoding="utf-8"), "--prompt-file")
+            with open_input(args.prompt_file, "--prompt-file") as f:
+                raw = read_bounded(f, f"--prompt-file {args.prompt_file!r}")
+            prompt = _text(raw.decode("utf-8"), "--prompt-file")
         except UnicodeDecodeError:
             raise CLIError(f"--prompt-file {args.prompt_file!r} is not valid UTF-8") from None
         except OSError as exc:
@@ -714,12 +745,15 @@ def cmd_chat(args) -> int:
         if interactive:
             sys.stdout.write("you> ")
             sys.stdout.flush()
-        line = sys.stdin.readline()
-        if not line:  # end of input: Ctrl-D, or the end of a piped conversation
+        raw = readline_bounded(sys.stdin.buffer, "a chat turn")
+        if not raw:  # end of input: Ctrl-D, or the end of a piped conversation
             if interactive:
                 print()
             return 0
-        line = line.rstrip("\n")
+        try:
+            line = raw.decode("utf-8").rstrip("\n").rstrip("\r")
+        except UnicodeDecodeError:
+            raise CLIError("a chat turn is not valid UTF-8: type or pipe UTF-8 text") from None
         if not line.strip():
             continue
         if line.strip() == "/reset":
@@ -736,14 +770,18 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": out.text})
 
 
-def _attention_lm(args, plots, out_dir) -> int:
-    lm = _load(args.model, "decoder")
-    cfg = lm.config
-    n_layers, n_heads = cfg.num_layers, cfg.num_heads
+def _check_layer_head(args, n_layers: int, n_heads: int) -> None:
+    """--layer and --head against the model's counts, before any work."""
     if args.layer is not None and not 0 <= args.layer < n_layers:
         raise CLIError(f"--layer should be in [0, {n_layers - 1}], got {args.layer}")
     if args.head is not None and not 0 <= args.head < n_heads:
         raise CLIError(f"--head should be in [0, {n_heads - 1}], got {args.head}")
+
+
+def _attention_lm(args, plots, out_dir) -> int:
+    lm = _load(args.model, "decoder")
+    cfg = lm.config
+    _check_layer_head(args, cfg.num_layers, cfg.num_heads)
     ids = lm.tokenizer.encode(args.text)
     tokens = [lm.tokenizer.token(i).replace("\u2581", " ") for i in ids]
     if len(ids) > 50:
@@ -768,16 +806,19 @@ def cmd_attention(args) -> int:
     if _is_seq2seq(args.model):
         return _attention_seq2seq(args, plots, out_dir)
     if args.target is not None or args.kind is not None:
-        raise CLIError("--target and --kind need an encoder-decoder --model (a T5, BART or Marian directory)")
+        from .models.seq2seq_lm import SEQ2SEQ_FAMILIES
+
+        found = _model_type(args.model)
+        runs = ", ".join(SEQ2SEQ_FAMILIES)
+        if found is not None:
+            raise CLIError(f"--target and --kind need an encoder-decoder --model; {args.model} holds model_type {found!r}, which qkv does not run as one (it runs: {runs})")
+        raise CLIError(f"--target and --kind need an encoder-decoder --model: a Hugging Face directory of one of {runs}")
     if args.model == DECODER_NAME or _is_causal_lm(args.model):
         return _attention_lm(args, plots, out_dir)
     enc = _load(args.model)
     cfg = enc.model.config
     n_layers, n_heads = cfg.num_hidden_layers, cfg.num_attention_heads
-    if args.layer is not None and not 0 <= args.layer < n_layers:
-        raise CLIError(f"--layer should be in [0, {n_layers - 1}], got {args.layer}")
-    if args.head is not None and not 0 <= args.head < n_heads:
-        raise CLIError(f"--head should be in [0, {n_heads - 1}], got {args.head}")
+    _check_layer_head(args, n_layers, n_heads)
     res = enc.encode_batch([args.text], output_attentions=True)
     tokens = res.tokens[0]
     n = len(tokens)
@@ -906,7 +947,7 @@ def _add_sampling(p, *, default_tokens: int) -> None:
     p.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability P (0 < P <= 1)")
     p.add_argument("--min-p", type=float, help="sample among the tokens at least P times as likely as the most likely one (0 < P <= 1)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1, tokens already seen are made less likely (default 1: none)")
-    p.add_argument("--stop", action="append", metavar="TEXT", help="stop when the new text contains TEXT (cut before it); may be given several times")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop when the new text contains TEXT (cut before it; escapes as llama.cpp reads them: \\n, \\t, \\xNN, ...); may be given several times")
     p.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")
 
 
@@ -1032,10 +1073,33 @@ def build_parser() -> argparse.ArgumentParser:
 INTERRUPTED = 130
 
 
+def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The command line, parsed; an option the command does not know is answered with that command's
+    usage and the closest option it has (``--temprature``: did you mean ``--temperature``?)."""
+    import difflib
+
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        word = extra[0]
+        options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.6) if word.startswith("-") else []
+        hint = f": did you mean {close[0]}?" if close else f" (qkv {args.command} --help lists its options)"
+        sub.error(f"unrecognized argument {word!r}{hint}")
+    return args
+
+
+#: Where a bug in qkv itself is reported (the one line printed for an unexpected exception).
+REPORT = "this is a bug in qkv: please report it to qkv's developers with the command you ran (QKV_TRACEBACK=1 shows where it failed)"
+
+
 def main(argv=None) -> int:
-    """Run one ``qkv`` command; return its exit status (:data:`INTERRUPTED` after Ctrl-C)."""
+    """Run one ``qkv`` command; return its exit status (:data:`INTERRUPTED` after Ctrl-C).
+
+    Whatever happens, the user reads one line: an error of theirs (exit 2) says what to change; running
+    out of memory says during what; anything else is a bug of qkv's, said so (exit 3)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warning
@@ -1047,9 +1111,21 @@ def main(argv=None) -> int:
         # The reader went away (e.g. `qkv demo | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (CLIError, ValueError, TypeError, OSError, MemoryError) as exc:
+    except MemoryError as exc:
+        said = f" ({exc})" if str(exc) else ""
+        print(f"qkv: error: out of memory during qkv {args.command}{said}: the machine could not give it more; try a shorter input or a smaller model", file=sys.stderr)
+        return 2
+    except (CLIError, ValueError, TypeError, OSError) as exc:
         print(f"qkv: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 (the one place every other exception is turned into a line)
+        if os.environ.get("QKV_TRACEBACK"):
+            raise
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        print(f"qkv: internal error in qkv {args.command}: {type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno}); {REPORT}", file=sys.stderr)
+        return 3
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

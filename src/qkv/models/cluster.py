@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .._files import NpyRows
-from .corpus import _count_lines, _chunks, iter_texts, truncated_lines, warn_truncated
+from .corpus import _count_lines, _chunks, encode_lines, iter_texts, truncated_lines, warn_truncated
 
 __all__ = ["embed_corpus"]
 
@@ -61,7 +61,7 @@ def _embed_partition(texts, model, batch_size):  # runs on a worker: (rows, E) f
     enc.model.workers = threads  # qkv's own pool: the worker's share of the cores
     with threadpool_limits(1, "blas"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        vectors = enc.encode(texts, batch_size=batch_size)
+        vectors = encode_lines(enc, texts, batch_size)
     return vectors, truncated_lines(caught, 0), os.getpid()  # cut lines counted from 1 in the partition
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .._checks import check_int
-from .._files import NpyRows, write_atomic
+from .._files import MAX_TEXT_BYTES, NpyRows, open_input, readline_bounded, write_atomic
 from .errors import TruncationWarning, describe_lines
 
 __all__ = ["iter_texts", "embed_file", "Index"]
@@ -68,8 +68,10 @@ def iter_texts(path, *, format: str = "text", field: str = "text", errors: str =
     if errors not in ("strict", "replace"):
         raise ValueError(f"errors should be 'strict' or 'replace', got {errors!r}")
     source = str(path)
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+    with open_input(path, source) as f:
+        number = 0
+        while raw := readline_bounded(f, f"{source}: line {number + 1}"):
+            number += 1
             line = _decode(raw.rstrip(b"\n").rstrip(b"\r"), number, errors, source)
             if format == "text":
                 yield line
@@ -82,6 +84,24 @@ def iter_texts(path, *, format: str = "text", field: str = "text", errors: str =
             if not isinstance(text, str):
                 raise ValueError(f"{source}: line {number} has no string field {field!r} (pass --field NAME)")
             yield text
+
+
+def _copy_lines(src, dst, what: str) -> None:
+    """Copy a stream of lines in blocks (never all of it in memory), refusing a line longer than
+    :data:`~qkv._files.MAX_TEXT_BYTES` as soon as it passes that (``/dev/zero`` has no line ends)."""
+    run, number = 0, 1  # bytes since the last newline, and the line they belong to
+    while block := src.read(1 << 20):
+        first, end = block.find(b"\n"), block.rfind(b"\n")
+        if first < 0:
+            run += len(block)
+        elif run + first <= MAX_TEXT_BYTES:  # the line the last block left open ends here, short enough
+            number += block.count(b"\n")
+            run = len(block) - end - 1
+        else:
+            run += first
+        if run > MAX_TEXT_BYTES:
+            raise ValueError(f"{what}: line {number} is longer than {MAX_TEXT_BYTES >> 20} MiB, more than qkv reads as one text")
+        dst.write(block)
 
 
 def _count_lines(path) -> int:
@@ -137,8 +157,10 @@ def embed_file(encoder, source, output, *, format: str = "text", field: str = "t
         if resume:
             raise ValueError("resume needs a file as input, not standard input")
         tmp = tempfile.NamedTemporaryFile(prefix="qkv-embed-", delete=False)
-        tmp.write(sys.stdin.buffer.read())
-        tmp.close()
+        try:
+            _copy_lines(sys.stdin.buffer, tmp, "standard input")
+        finally:
+            tmp.close()
         source = tmp.name
     try:
         return _embed(encoder, Path(source), output, marker, format, field, errors, batch_size, chunk_batches, resume, progress, on_chunk)
@@ -185,7 +207,7 @@ def _embed(encoder, source, output, marker, format, field, errors, batch_size, c
                 continue
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                out.write(row, encoder.encode(texts, batch_size=batch_size))
+                out.write(row, encode_lines(encoder, texts, batch_size))
             cut += truncated_lines(caught, row)
             row += len(texts)
             out.flush()
@@ -201,6 +223,16 @@ def _embed(encoder, source, output, marker, format, field, errors, batch_size, c
     marker.unlink()
     warn_truncated(cut, encoder.max_seq_length)
     return {"rows": n, "dim": dim, "output": str(output), "resumed_from": resumed_from, "truncated": len(cut), "truncated_lines": cut}
+
+
+def encode_lines(encoder, texts: list[str], batch_size: int) -> np.ndarray:
+    """(N, E) embeddings of a corpus's lines, row i = line i; a blank line has no meaning to embed and
+    gets a row of zeros, which :meth:`Index.search` never returns."""
+    vectors = np.zeros((len(texts), encoder.model.config.hidden_size), np.float32)
+    real = [i for i, t in enumerate(texts) if t.strip()]
+    if real:
+        vectors[real] = encoder.encode([texts[i] for i in real], batch_size=batch_size)
+    return vectors
 
 
 def truncated_lines(caught, row: int) -> list[int]:
@@ -280,20 +312,23 @@ class Index:
         -------
         rows : ndarray of int64, (k,) or (Q, k)
         similarities : ndarray of float32, (k,) or (Q, k)
-            Fewer than ``k`` columns when the index has fewer rows. Ties: the earlier row first.
+            Fewer than ``k`` columns when the index has fewer rows. Rows of zeros (the blank lines of a
+            corpus) are never returned. Ties: the earlier row first.
         """
         q = np.asarray(query, np.float32)
         E = self.vectors.shape[1]
         if q.ndim not in (1, 2) or q.shape[-1] != E:
             raise ValueError(f"query shape should be ({E},) or (Q, {E}), got {q.shape}")
         k = check_int(k, "k", minimum=1)
+        norms = self.norms()
+        k = min(k, int(np.count_nonzero(norms)))  # rows of zeros (blank lines) are never results
         qs = q.reshape(-1, E)  # (Q, E)
         qs = qs / np.maximum(np.linalg.norm(qs, axis=1, keepdims=True), np.float32(1e-12))
-        norms = self.norms()
         best_i = np.empty((len(qs), 0), np.int64)
         best_s = np.empty((len(qs), 0), np.float32)
-        for start, block in self._blocks():
+        for start, block in self._blocks() if k else ():
             s = (qs @ block.T) / np.maximum(norms[start : start + len(block)], np.float32(1e-12))  # (Q, rows) cosines
+            s[:, norms[start : start + len(block)] == 0] = -np.inf
             top = np.argpartition(-s, k - 1, axis=1)[:, :k] if s.shape[1] > k else np.broadcast_to(np.arange(s.shape[1]), s.shape)
             best_i = np.concatenate([best_i, top + start], axis=1)
             best_s = np.concatenate([best_s, np.take_along_axis(s, top, axis=1)], axis=1)

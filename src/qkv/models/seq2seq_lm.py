@@ -29,6 +29,8 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     from . import tokenizer as tk
 
     path = Path(path)
+    if not path.exists():
+        raise ModelError(f"{path}: no such file or folder (an encoder-decoder model is a Hugging Face directory)")
     if not path.is_dir():
         raise ModelError(f"{path}: an encoder-decoder model is a Hugging Face directory (config.json, model.safetensors, tokenizer.json)")
     cfg_file = path / "config.json"

@@ -201,3 +201,145 @@ def test_search_never_returns_a_blank_line(tmp_path):
     r = qkv_cli("search", "money", "--index", str(tmp_path / "c.npy"), "--texts", str(tmp_path / "c.txt"), "-k", "5", "--json")
     got = json.loads(r.stdout)["results"]
     assert [g["line"] for g in got] == [4, 2] and all(g["text"].strip() for g in got)
+
+
+# ------------------------------------------------------------------------------- GGUF files
+def raw_gguf(path, metadata, tensors=(("token_embd.weight", (8, 4), 0, 0),), data=None, alignment=32):
+    """A GGUF file byte by byte, as the format's spec lays it out, so that it can say what no writer
+    would: ``metadata`` is ``[(key, type code, value)]`` (8 string, 9 array as (element type, items),
+    4 uint32, 6 float32, 10 uint64, 11 int64 ...), ``tensors`` ``[(name, dims fastest first... as NumPy
+    shape, ggml type, offset)]``; the data is zeros unless given."""
+    import struct
+
+    fmt = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def value(t, v):
+        if t == 8:
+            b = v.encode()
+            return struct.pack("<Q", len(b)) + b
+        if t == 9:
+            et, items = v
+            return struct.pack("<IQ", et, len(items)) + b"".join(value(et, x) for x in items)
+        return struct.pack("<" + fmt[t], v)
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
+    for key, t, v in metadata:
+        out += value(8, key) + struct.pack("<I", t) + value(t, v)
+    for name, shape, qtype, offset in tensors:
+        out += value(8, name) + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in reversed(shape)) + struct.pack("<IQ", qtype, offset)
+    out += b"\0" * (-len(out) % alignment)
+    size = max((off + 4 * int(np.prod(shape)) for _, shape, _, off in tensors), default=0)
+    path.write_bytes(out + (data if data is not None else b"\0" * size))
+    return path
+
+
+LLAMA_KEYS = [("general.architecture", 8, "llama"), ("llama.embedding_length", 4, 4), ("llama.block_count", 4, 1), ("llama.attention.head_count", 4, 2), ("llama.feed_forward_length", 4, 8)]
+
+
+def _with(keys, **changes):
+    """LLAMA_KEYS with some keys' (type, value) changed or added."""
+    out = [(k, t, v) for k, t, v in keys if k.split(".", 1)[1] not in changes]
+    return out + [(f"llama.{k}" if not k.startswith("general") else k, t, v) for k, (t, v) in changes.items()]
+
+
+def _nest(depth):
+    v = (4, [1])
+    for _ in range(depth):
+        v = (9, [v])
+    return v
+
+
+@pytest.mark.parametrize("metadata, tensors, match", [
+    ([("general.alignment", 4, 0)] + LLAMA_KEYS, None, r"general.alignment should be a positive power of two, got 0"),
+    ([("general.alignment", 4, 7)] + LLAMA_KEYS, None, r"general.alignment should be a positive power of two, got 7"),
+    ([("general.alignment", 4, 48)] + LLAMA_KEYS, None, r"general.alignment should be a positive power of two, got 48"),
+    ([("general.alignment", 8, "32")] + LLAMA_KEYS, None, r"general.alignment should be a positive power of two, got '32'"),
+    ([("general.alignment", 6, 32.0)] + LLAMA_KEYS, None, r"general.alignment should be a positive power of two, got 32.0"),
+    (LLAMA_KEYS, [("a", (4,), 0, 0), ("a", (4,), 0, 32)], r"tensor 'a' is listed twice"),
+    (LLAMA_KEYS, [("a", (8,), 0, 0), ("b", (4,), 0, 0)], r"tensors '[ab]' and '[ab]' overlap"),
+    (LLAMA_KEYS, [("a", (16,), 0, 0), ("b", (4,), 0, 32)], r"tensors 'a' and 'b' overlap"),
+    (LLAMA_KEYS, [("a", (4,), 0, 4)], r"tensor 'a' starts at offset 4, not a multiple of general.alignment 32"),
+    ([("deep", 9, _nest(9))] + LLAMA_KEYS, None, "metadata 'deep' nests arrays more than 8 deep"),
+])  # fmt: skip
+def test_a_corrupt_gguf_layout_is_refused_by_name(metadata, tensors, match, tmp_path):
+    from qkv.models.gguf_file import GGUFFile
+
+    path = raw_gguf(tmp_path / "bad.gguf", metadata, *(() if tensors is None else (tensors,)))
+    with pytest.raises(ModelError, match="bad.gguf: " + match):
+        GGUFFile(path)
+
+
+def test_metadata_nested_thousands_deep_is_no_recursion_error(tmp_path):
+    from qkv.models.gguf_file import GGUFFile
+
+    import struct
+
+    path = raw_gguf(tmp_path / "deep.gguf", LLAMA_KEYS)
+    raw = path.read_bytes()
+    nested = b"".join(struct.pack("<IQ", 9, 1) for _ in range(5000)) + struct.pack("<IQ", 4, 0)
+    key = b"deep"
+    header = raw[:16] + struct.pack("<Q", len(LLAMA_KEYS) + 1)
+    entry = struct.pack("<Q", len(key)) + key + struct.pack("<I", 9) + nested
+    (tmp_path / "deep.gguf").write_bytes(header + entry + raw[24:])
+    with pytest.raises(ModelError, match="nests arrays more than 8 deep"):
+        GGUFFile(tmp_path / "deep.gguf")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(block_count=(4, 1 << 28)), r"llama.block_count' should be in \[0, 1\] \(the file has that many tensors\), got 268,435,456"),
+    (dict(block_count=(10, 1 << 30)), r"llama.block_count' should be in \[0, 1\]"),
+    (dict(block_count=(11, -1)), r"llama.block_count' should be in \[0, 1\]"),
+    (dict(**{"attention.head_count": (6, 4.5)}), r"llama.attention.head_count' should be a whole number, got 4.5"),
+    (dict(**{"attention.head_count": (7, True)}), r"llama.attention.head_count' should be a number, got True"),
+    (dict(embedding_length=(6, float("nan"))), r"llama.embedding_length' should be a whole number, got nan"),
+    (dict(**{"rope.freq_base": (6, 0.0)}), r"llama.rope.freq_base' should be a positive number, got 0.0"),
+    (dict(**{"rope.freq_base": (6, -10000.0)}), r"llama.rope.freq_base' should be a positive number"),
+    (dict(**{"attention.layer_norm_rms_epsilon": (6, float("inf"))}), r"llama.attention.layer_norm_rms_epsilon' should be a positive number"),
+])  # fmt: skip
+def test_gguf_numbers_are_checked_at_load_naming_file_and_key(change, match, tmp_path):
+    path = raw_gguf(tmp_path / "m.gguf", _with(LLAMA_KEYS, **change))
+    t0 = time.monotonic()
+    with pytest.raises(ModelError, match="m.gguf: metadata '" + match):
+        load_causal_lm(path)
+    assert time.monotonic() - t0 < 5  # checked before anything is sized by it (2**28 layers once took 17 s and 4 GB)
+
+
+@pytest.mark.parametrize("key, value, match", [("attention.query_pre_attn_scalar", 0.0, "query_pre_attn_scalar' should be a positive number"), ("attention.sliding_window", -4, "sliding_window' should be in")])
+def test_gemma_numbers_are_checked_at_load(key, value, match, tmp_path):
+    keys = [("general.architecture", 8, "gemma3"), ("gemma3.embedding_length", 4, 4), ("gemma3.block_count", 4, 1), ("gemma3.attention.head_count", 4, 2),
+            ("gemma3.feed_forward_length", 4, 8), ("tokenizer.ggml.tokens", 9, (8, ["a", "b"])), (f"gemma3.{key}", 6 if isinstance(value, float) else 5, value)]  # fmt: skip
+    with pytest.raises(ModelError, match=match):
+        load_causal_lm(raw_gguf(tmp_path / "g.gguf", keys))
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(torch, tmp_path_factory):
+    """A tiny llama written as llama.cpp writes it (Q8_0 matrices, F32 norms), and its bytes."""
+    from test_gguf_families import _model
+
+    bpe = gguf_writer.byte_level_vocab()
+    path = tmp_path_factory.mktemp("q8") / "q8.gguf"
+    gguf_writer.write(_model("llama", torch, len(bpe[0])), path, arch="llama", outtype="Q8_0", vocab=bpe)
+    return path
+
+
+@pytest.mark.parametrize("tensor, at, value", [
+    ("blk.0.attn_q.weight", 0, np.float16("inf")),  # the first block's scale
+    ("blk.1.ffn_down.weight", 34 * 3, np.float16("nan")),  # a later block's
+    ("output_norm.weight", 8, np.float32("nan")),  # a norm
+    ("blk.0.attn_norm.weight", 0, np.float32("-inf")),
+])  # fmt: skip
+@pytest.mark.parametrize("keep_quantized", [True, False])
+def test_nan_or_inf_weights_are_refused_by_name_not_decoded_to_text(tensor, at, value, keep_quantized, tiny_q8, tmp_path):
+    from qkv.models.gguf_file import GGUFFile
+
+    assert load_causal_lm(tiny_q8, keep_quantized=keep_quantized).generate("the", max_new_tokens=2).token_ids
+    g = GGUFFile(tiny_q8)
+    offset = g.tensors[tensor][2]
+    g.close()
+    raw = bytearray(tiny_q8.read_bytes())
+    raw[offset + at : offset + at + value.itemsize] = value.tobytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(ModelError, match=f"bad.gguf.*{tensor}.*NaN or infinite"):
+        load_causal_lm(bad, keep_quantized=keep_quantized)

@@ -141,7 +141,10 @@ class TensorReader:
         if arr.dtype.kind != "f":
             raise ModelError(f"{self.file}: tensor {name!r} should be floating point, got {arr.dtype}")
         self.used.add(name)
-        return np.ascontiguousarray(arr, dtype=np.float32)
+        out = np.ascontiguousarray(arr, dtype=np.float32)
+        if not np.isfinite(out).all():  # NaN logits decode to text: refuse the tensor at load, by name
+            raise ModelError(f"{self.file}: tensor {name!r} holds {int((~np.isfinite(out)).sum()):,} NaN or infinite values: the file is corrupt")
+        return out
 
     def unread(self) -> list:
         """The file's tensors no ``t(...)`` asked for, sorted."""

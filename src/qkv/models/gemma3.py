@@ -37,17 +37,16 @@ def _pattern(n_layers: int, window: int | None) -> list:
 
 def config_from_gguf(g) -> DecoderConfig:
     """The model's :class:`DecoderConfig` from a :class:`GGUFFile` of architecture ``gemma3``."""
-    num = g.number
-    E, n = int(num("embedding_length")), int(num("block_count"))
-    H, Hk = int(num("attention.head_count")), int(num("attention.head_count_kv", 1))
-    D = int(num("attention.key_length", E // max(H, 1)))
-    if int(num("attention.value_length", D)) != D:
+    E, n = g.integer("embedding_length"), g.integer("block_count", at_most=len(g.tensors), what=" (the file has that many tensors)")
+    H, Hk = g.integer("attention.head_count"), g.integer("attention.head_count_kv", 1)
+    D = g.integer("attention.key_length", E // max(H, 1))
+    if g.integer("attention.value_length", D) != D:
         raise ModelError(f"{g.path}: attention.value_length should equal key_length {D}")
-    window = int(num("attention.sliding_window", 0)) or None
-    base = float(num("rope.freq_base", 1_000_000.0))
+    window = g.integer("attention.sliding_window", 0) or None
+    base = g.positive("rope.freq_base", 1_000_000.0)
     windows = _pattern(n, window)
     vocab = len(g.field("tokenizer.ggml.tokens", required=True))
-    scalar = float(num("attention.query_pre_attn_scalar", D))
+    scalar = g.positive("attention.query_pre_attn_scalar", D)
     return DecoderConfig(
         family="gemma3",
         vocab_size=vocab,
@@ -56,15 +55,15 @@ def config_from_gguf(g) -> DecoderConfig:
         num_heads=H,
         num_kv_heads=Hk,
         head_dim=D,
-        intermediate_size=int(num("feed_forward_length")),
+        intermediate_size=g.integer("feed_forward_length"),
         norm="rms",
-        norm_eps=float(num("attention.layer_norm_rms_epsilon", 1e-6)),
+        norm_eps=g.positive("attention.layer_norm_rms_epsilon", 1e-6),
         activation="gelu_pytorch_tanh",
         gated_mlp=True,
         rope=True,
         rope_bases=tuple(LOCAL_ROPE_BASE if w else base for w in windows),
         windows=tuple(windows),
-        max_positions=int(num("context_length", 32768)),
+        max_positions=g.integer("context_length", 32768),
         query_scale=scalar**-0.5,
         qk_norm=True,
         sandwich_norm=True,

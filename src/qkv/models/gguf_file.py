@@ -15,6 +15,7 @@ is memory-mapped and dequantized only when a tensor is asked for.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -29,6 +30,8 @@ __all__ = ["GGUFFile"]
 
 _MAGIC = b"GGUF"
 _MAX_HEADER_ITEMS = 1 << 24  # more metadata entries or array items than any real file has: corrupt
+_MAX_NESTING = 8  # arrays of arrays deeper than this (no real file has more than 2): corrupt
+_MAX_INTEGER = 1 << 31  # a count or size in the metadata past this is not a model's
 
 
 def _gguf():
@@ -73,7 +76,7 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
 _STRING, _ARRAY = 8, 9
 
 
-def _value(cur: _Cursor, vtype: int, key: str):
+def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
     if vtype in _SCALARS:
         return cur.unpack(_SCALARS[vtype])
     if vtype == _STRING:
@@ -99,7 +102,9 @@ def _value(cur: _Cursor, vtype: int, key: str):
                 pos += size
             cur.pos = pos
             return out
-        return [_value(cur, etype, key) for _ in range(n)]
+        if depth >= _MAX_NESTING:
+            raise ModelError(f"{cur.source}: metadata {key!r} nests arrays more than {_MAX_NESTING} deep: corrupt")
+        return [_value(cur, etype, key, depth + 1) for _ in range(n)]
     raise ModelError(f"{cur.source}: metadata {key!r} has unknown GGUF value type {vtype}")
 
 
@@ -140,7 +145,7 @@ class GGUFFile:
         for _ in range(n_kv):
             key = cur.string()
             self.metadata[key] = _value(cur, cur.unpack("I"), key)
-        infos = []
+        infos, names = [], set()
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.unpack("I")
@@ -148,8 +153,14 @@ class GGUFFile:
                 raise ModelError(f"{source}: tensor {name!r} has {n_dims} dims")
             dims = [cur.unpack("Q") for _ in range(n_dims)]
             qtype, offset = cur.unpack("I"), cur.unpack("Q")
+            if name in names:  # llama.cpp refuses these too: which one would a loader read?
+                raise ModelError(f"{source}: tensor {name!r} is listed twice")
+            names.add(name)
             infos.append((name, tuple(reversed(dims)), qtype, offset))
-        align = int(self.metadata.get("general.alignment", 32))
+        align = self.metadata.get("general.alignment", 32)
+        if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or align <= 0 or align & (align - 1):
+            raise ModelError(f"{source}: general.alignment should be a positive power of two, got {align!r}")
+        align = int(align)
         start = -(-cur.pos // align) * align
         gguf = _gguf()
         self.tensors = {}
@@ -161,8 +172,17 @@ class GGUFFile:
             block, type_size = gguf.GGML_QUANT_SIZES[qt]
             if shape and shape[-1] % block:
                 raise ModelError(f"{source}: tensor {name!r} row of {shape[-1]} is not a whole number of {qt.name} blocks")
-            nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * type_size if shape else type_size
+            if any(d < 0 or d > 1 << 40 for d in shape) or len(shape) and math.prod(shape) > 1 << 40:
+                raise ModelError(f"{source}: tensor {name!r} has shape {shape}: corrupt")
+            nbytes = math.prod(shape[:-1]) * (shape[-1] // block) * type_size if shape else type_size
+            if offset % align:
+                raise ModelError(f"{source}: tensor {name!r} starts at offset {offset}, not a multiple of general.alignment {align}")
             self.tensors[name] = (shape, qt, start + offset, nbytes)
+        # Tensors may not share bytes (llama.cpp refuses two at one offset): a file that overlaps them is corrupt.
+        spans = sorted((off, off + n, name) for name, (_, _, off, n) in self.tensors.items())
+        for (_, end, first), (off, _, second) in zip(spans, spans[1:]):
+            if off < end:
+                raise ModelError(f"{source}: tensors {first!r} and {second!r} overlap in the file")
         self.used: set = set()  #: the tensors read so far: a loader refuses a file with tensors it did not read
 
     @property
@@ -193,6 +213,30 @@ class GGUFFile:
             raise ModelError(f"{self.path}: metadata {full!r} should be a number, got {v!r}")
         return v
 
+    def integer(self, key: str, default=None, *, at_most: int | None = None, what: str = "") -> int:
+        """The architecture's whole number ``key``, checked: an integer >= 0 (``4.5`` heads or ``True`` is
+        an error, not 4 or 1) and at most ``at_most`` (a count the file's tensors cannot back: checked
+        before anything is sized by it)."""
+        full = f"{self.architecture}.{key}"
+        v = self.number(key, default)
+        if isinstance(v, (float, np.floating)):
+            if not (math.isfinite(v) and v == int(v)):
+                raise ModelError(f"{self.path}: metadata {full!r} should be a whole number, got {v!r}")
+            v = int(v)
+        v = int(v)
+        limit = _MAX_INTEGER if at_most is None else at_most
+        if not 0 <= v <= limit:
+            raise ModelError(f"{self.path}: metadata {full!r} should be in [0, {limit:,}]{what}, got {v:,}")
+        return v
+
+    def positive(self, key: str, default=None) -> float:
+        """The architecture's number ``key`` as a float, checked finite and > 0 (a RoPE base, an epsilon, a
+        scale: 0 or a negative one is refused at load, naming the file and key)."""
+        v = self.number(key, default)
+        if not (math.isfinite(v) and v > 0):
+            raise ModelError(f"{self.path}: metadata '{self.architecture}.{key}' should be a positive number, got {v!r}")
+        return float(v)
+
     def shape(self, name: str) -> tuple:
         """The shape of tensor ``name`` (NumPy order), without reading it."""
         if name not in self.tensors:
@@ -219,7 +263,7 @@ class GGUFFile:
                 # as long as the model lives.
                 out = np.array(raw.view(dt).reshape(got), dtype=np.float32, copy=True)
                 self._drop(offset, nbytes)
-                return out
+                return self._finite(name, out)
         rows = raw.reshape(-1, (got[-1] // block) * type_size)
         try:
             out = gguf.quants.dequantize(rows, qt)
@@ -227,7 +271,15 @@ class GGUFFile:
             raise ModelError(f"{self.path}: tensor {name!r}: quantization {qt.name} is not supported by gguf's dequantizer") from None
         out = out.reshape(got)
         self._drop(offset, nbytes)
-        return out if out.dtype == np.float32 and out.flags.c_contiguous and out.base is None else np.array(out, dtype=np.float32)
+        return self._finite(name, out if out.dtype == np.float32 and out.flags.c_contiguous and out.base is None else np.array(out, dtype=np.float32))
+
+    def _finite(self, name: str, out: np.ndarray) -> np.ndarray:
+        """``out``, unless a value is NaN or infinite: a corrupt tensor refused at load, by name, never
+        text decoded from NaN logits."""
+        bad = ~np.isfinite(out)
+        if bad.any():
+            raise ModelError(f"{self.path}: tensor {name!r} holds {int(bad.sum()):,} NaN or infinite values: the file is corrupt")
+        return out
 
     def matrix(self, name: str, shape: tuple | None = None, *, keep_quantized: bool = True):
         """A 2-D weight as the products need it: a :class:`qkv.models.quants.QuantizedMatrix` that keeps the

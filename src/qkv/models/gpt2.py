@@ -77,8 +77,7 @@ def weights_from_hf(t, cfg: DecoderConfig, has):
 
 def config_from_gguf(g) -> DecoderConfig:
     """The :class:`DecoderConfig` of a GGUF file of architecture ``gpt2``."""
-    num = g.number
-    E, n, H = int(num("embedding_length")), int(num("block_count")), int(num("attention.head_count"))
+    E, n, H = g.integer("embedding_length"), g.integer("block_count", at_most=len(g.tensors), what=" (the file has that many tensors)"), g.integer("attention.head_count")
     if H <= 0 or E % H:
         raise ModelError(f"{g.path}: gpt2.embedding_length {E} is not a whole number of gpt2.attention.head_count {H} heads")
     return DecoderConfig(
@@ -89,9 +88,9 @@ def config_from_gguf(g) -> DecoderConfig:
         num_heads=H,
         num_kv_heads=H,
         head_dim=E // H,
-        intermediate_size=int(num("feed_forward_length", 4 * E)),
+        intermediate_size=g.integer("feed_forward_length", 4 * E),
         norm="layer",
-        norm_eps=float(num("attention.layer_norm_epsilon", 1e-5)),
+        norm_eps=g.positive("attention.layer_norm_epsilon", 1e-5),
         activation="gelu_new",
         gated_mlp=False,
         rope=False,

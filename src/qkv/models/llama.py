@@ -101,17 +101,17 @@ def weights_from_hf(t, cfg: DecoderConfig, bias_all: bool, has):
 def config_from_gguf(g) -> DecoderConfig:
     """The :class:`DecoderConfig` of a GGUF file of architecture ``llama``, ``qwen2`` or ``qwen3``."""
     arch, num = g.architecture, g.number
-    E, n = int(num("embedding_length")), int(num("block_count"))
-    H = int(num("attention.head_count"))
-    D = int(num("attention.key_length", num("rope.dimension_count", E // max(H, 1))))
-    if int(num("attention.value_length", D)) != D:
+    E, n = g.integer("embedding_length"), g.integer("block_count", at_most=len(g.tensors), what=" (the file has that many tensors)")
+    H = g.integer("attention.head_count")
+    D = g.integer("attention.key_length", g.integer("rope.dimension_count", E // max(H, 1)))
+    if g.integer("attention.value_length", D) != D:
         raise ModelError(f"{g.path}: {arch}.attention.value_length should equal the key length {D}")
-    if int(num("rope.dimension_count", D)) != D:
+    if g.integer("rope.dimension_count", D) != D:
         raise ModelError(f"{g.path}: {arch}.rope.dimension_count {num('rope.dimension_count')} (partial rotary) is not supported: qkv rotates whole heads of {D}")
     scaling = g.field(f"{arch}.rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in g.tensors:
         raise ModelError(f"{g.path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs.weight'}) is not supported (only plain RoPE)")
-    if int(num("expert_count", 0)):
+    if g.integer("expert_count", 0):
         raise ModelError(f"{g.path}: a mixture of experts ({arch}.expert_count) is not supported for {arch}")
     return DecoderConfig(
         family=arch,
@@ -119,17 +119,17 @@ def config_from_gguf(g) -> DecoderConfig:
         hidden_size=E,
         num_layers=n,
         num_heads=H,
-        num_kv_heads=int(num("attention.head_count_kv", H)),
+        num_kv_heads=g.integer("attention.head_count_kv", H),
         head_dim=D,
-        intermediate_size=int(num("feed_forward_length")),
+        intermediate_size=g.integer("feed_forward_length"),
         norm="rms",
-        norm_eps=float(num("attention.layer_norm_rms_epsilon", 1e-5)),
+        norm_eps=g.positive("attention.layer_norm_rms_epsilon", 1e-5),
         activation="silu",
         gated_mlp=True,
         rope=True,
-        rope_bases=(float(num("rope.freq_base", 10000.0)),) * n,
+        rope_bases=(g.positive("rope.freq_base", 10000.0),) * n,
         windows=(None,) * n,  # llama.cpp keeps no sliding window for these (Mistral 7B v0.1's 4,096 included)
-        max_positions=int(num("context_length", 0)) or None,
+        max_positions=g.integer("context_length", 0) or None,
         query_scale=D**-0.5,
         qk_norm=arch == "qwen3",
         embed_scale=1.0,

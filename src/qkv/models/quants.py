@@ -79,6 +79,23 @@ def _scales(raw: np.ndarray, qtype: str):  # (rows, row bytes) -> float32 arrays
     return d, np.zeros((rows, 0), np.float32)
 
 
+def _check_finite(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray, qtype: str, name: str) -> None:
+    """A NaN or infinite scale (or F16/BF16 value) makes every product it enters NaN, and a model print
+    text decoded from NaN logits: refused here, naming the tensor."""
+    if qtype == "F16":
+        bad = ~np.isfinite(raw.view(np.float16))
+    elif qtype == "BF16":
+        bad = (raw.view(np.uint16) & 0x7F80) == 0x7F80  # exponent all ones: inf or NaN
+    else:
+        bad = ~np.isfinite(d)
+        if dmin.size:
+            bad |= ~np.isfinite(dmin)
+    if bad.any():
+        row = int(np.argwhere(bad)[0][0])
+        what = "values" if qtype in ("F16", "BF16") else "block scales"
+        raise ModelError(f"{name}: {int(bad.sum()):,} {qtype} {what} are NaN or infinite (the first in row {row}): the file is corrupt")
+
+
 class QuantizedMatrix:
     """A weight matrix of shape (out, in) kept in GGUF blocks: ``x @ W.T`` without a float32 copy of W.
 
@@ -118,6 +135,7 @@ class QuantizedMatrix:
         self.raw = np.ascontiguousarray(raw.reshape(out, (n_in // per) * size))
         self.qtype, self.shape, self.name = qtype, (out, n_in), name
         self.d, self.dmin = _scales(self.raw, qtype)
+        _check_finite(self.raw, self.d, self.dmin, qtype, name)
         self._buf = None
 
     def __repr__(self) -> str:

@@ -343,3 +343,161 @@ def test_nan_or_inf_weights_are_refused_by_name_not_decoded_to_text(tensor, at, 
     bad.write_bytes(bytes(raw))
     with pytest.raises(ModelError, match=f"bad.gguf.*{tensor}.*NaN or infinite"):
         load_causal_lm(bad, keep_quantized=keep_quantized)
+
+
+# ------------------------------------------------------------------------------- attention numerics
+def _sink_reference(q, k, v, sinks, keep):  # float64 softmax over [scores, sink], the sink's weight dropped
+    s = np.einsum("bhld,bhsd->bhls", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[-1])
+    s = np.where(keep, s, -np.inf)
+    sk = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None], (*s.shape[:-1], 1))
+    full = np.concatenate([s, sk], -1)
+    top = full.max(-1, keepdims=True)
+    e = np.exp(full - np.where(np.isfinite(top), top, 0))
+    p = e / np.where(e.sum(-1, keepdims=True) == 0, 1, e.sum(-1, keepdims=True))
+    return np.einsum("bhls,bhsd->bhld", p[..., :-1], v.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("implementation", ["direct", "tiled"])
+@pytest.mark.parametrize("value", [-np.inf, -1e30, -1e4, -3.0, 0.0, 50.0])
+def test_sinks_of_any_size_match_the_float64_reference(value, implementation, dtype):
+    """A sink used to start the online softmax's shift: -1e30 cancelled every score (0.42 off on the
+    tiled path, in float64 too) and -inf gave NaN there, 0.55 off on the direct path."""
+    from qkv import scaled_dot_product_attention as sdpa
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((2, 3, 40, 16), (2, 3, 50, 16), (2, 3, 50, 16)))
+    sinks = np.array([value, -np.inf, 1.5], dtype)
+    keep = np.tril(np.ones((40, 50), bool), 10)
+    out = sdpa(q, k, v, is_causal=True, sinks=sinks, implementation=implementation)
+    ref = _sink_reference(q, k, v, sinks, keep)
+    assert np.abs(out - ref).max() <= (1e-12 if dtype == np.float64 else 2e-6)
+    if value == -np.inf:  # exactly no sink, on each path
+        plain = sdpa(q[:, :2], k[:, :2], v[:, :2], is_causal=True, implementation=implementation)
+        np.testing.assert_array_equal(out[:, :2], plain)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_sinks_of_nan_or_plus_inf_are_an_error(bad):
+    from qkv import scaled_dot_product_attention as sdpa
+
+    x = np.ones((2, 4, 8), np.float32)
+    for impl in ("direct", "tiled"):
+        with pytest.raises(ValueError, match="sinks should be finite, or -inf for no sink"):
+            sdpa(x, x, x, sinks=np.array([0.0, bad], np.float32), implementation=impl)
+
+
+@pytest.mark.parametrize("option", ["scale", "softcap"])
+@pytest.mark.parametrize("value, dtype", [(1e300, np.float32), (1e39, np.float32), (1e39, np.float16), (1e308 * 10, np.float64)])
+def test_a_scale_or_softcap_that_overflows_the_dtype_is_an_error(option, value, dtype):
+    from qkv import scaled_dot_product_attention as sdpa
+
+    x = np.ones((2, 4, 8), dtype)
+    with pytest.raises(ValueError, match=f"{option} .* does not fit in|{option} should be a finite number"):
+        sdpa(x, x, x, **{option: value})
+    assert np.isfinite(sdpa(x, x, x, **{option: 1e30})).all()  # float16 computes in float32: 1e30 fits
+
+
+@pytest.mark.parametrize("axis", ["b", "h"])
+def test_a_block_mask_shared_over_an_axis_its_mod_uses_is_refused(axis):
+    from qkv import mods
+
+    lengths = np.array([5, 9])
+
+    def by_b(b, h, q, kv):
+        return kv < lengths[b]
+
+    def by_h(b, h, q, kv):
+        return (kv <= q) | (h == 1)
+
+    mod = by_b if axis == "b" else by_h
+    with pytest.raises(ValueError, match=f"mask_mod '{mod.__name__}' depends on {axis}"):
+        mods.create_block_mask(mod, None, None, 16, 16, block=4)
+    bm = mods.create_block_mask(mod, 2, 2, 16, 16, block=4)  # named: fine
+    assert bm.shape == (2, 2, 16, 16)
+    mods.create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 16, 16, block=4)  # shared for real: fine
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int64, np.uint8, bool, np.longdouble, "U3"])
+def test_a_paged_cache_of_a_non_float_dtype_is_refused(dtype):
+    from qkv import PagedKVCache
+
+    with pytest.raises(TypeError, match="dtype should be a floating dtype"):
+        PagedKVCache(num_pages=2, page_size=4, num_kv_heads=1, head_dim=8, dtype=dtype)
+
+
+def test_dtypes_that_do_not_mix_or_are_not_computed_in_are_clear_errors():
+    import ml_dtypes
+
+    from qkv import scaled_dot_product_attention as sdpa
+
+    b, h = np.ones((2, 4, 8), ml_dtypes.bfloat16), np.ones((2, 4, 8), np.float16)
+    with pytest.raises(TypeError, match="inputs of dtypes bfloat16, float16 do not mix"):
+        sdpa(b, h, h)
+    x = np.ones((2, 4, 8), np.longdouble)
+    with pytest.raises(TypeError, match="dtype float128 is not supported"):
+        sdpa(x, x, x)
+
+
+def test_bfloat16_sinks_and_alibi_slopes_are_accepted_like_bias():
+    import ml_dtypes
+
+    from qkv import scaled_dot_product_attention as sdpa
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 8)).astype(ml_dtypes.bfloat16)
+    sinks, slopes = np.array([0.5, -1.0], ml_dtypes.bfloat16), np.array([0.25, 0.5], ml_dtypes.bfloat16)
+    got = sdpa(x, x, x, sinks=sinks, alibi_slopes=slopes, is_causal=True)
+    want = sdpa(x.astype(np.float32), x.astype(np.float32), x.astype(np.float32), sinks=sinks.astype(np.float32), alibi_slopes=slopes.astype(np.float32), is_causal=True)
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------- generation bounds
+@pytest.fixture(scope="module")
+def tiny_t5(torch, tmp_path_factory):
+    from test_seq2seq import _tiny_t5
+
+    from qkv.models import load_seq2seq_lm
+
+    return load_seq2seq_lm(_tiny_t5(torch, tmp_path_factory.mktemp("t5"))[1])
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(num_beams=10**6), ValueError, "num_beams should be at most 256, got 1,000,000"),
+    (dict(num_beams=10**12), ValueError, "num_beams should be at most 256"),
+    (dict(num_beams=3, length_penalty=float("nan")), ValueError, "length_penalty should be a finite number"),
+    (dict(num_beams=3, length_penalty=1e308), ValueError, r"length_penalty should be a number in \[-10, 10\]"),
+    (dict(num_beams=3, length_penalty=-11.0), ValueError, r"length_penalty should be a number in"),
+])  # fmt: skip
+def test_beam_search_options_are_bounded_before_work(options, error, match, tiny_t5):
+    t0 = time.monotonic()
+    with pytest.raises(error, match=match):
+        tiny_t5.generate([5, 6, 7], max_new_tokens=4, **options)
+    assert time.monotonic() - t0 < 5
+    assert tiny_t5.generate([5, 6, 7], max_new_tokens=4, num_beams=3, length_penalty=2.0).token_ids
+
+
+def test_a_ragged_batch_says_so(tiny_t5):
+    with pytest.raises(ValueError, match=r"input_ids rows have different lengths \(3, 1\): pad them to one length and pass attention_mask"):
+        tiny_t5.encode([[5, 6, 7], [8]])
+
+
+def test_a_truncated_wav_names_the_path(tmp_path):
+    import wave
+
+    from qkv.models.whisper import read_wav
+
+    with wave.open(str(tmp_path / "a.wav"), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(b"\x01\x00" * 16000)
+    raw = (tmp_path / "a.wav").read_bytes()
+    for cut, match in ((5001, "truncated: its header says 16,000 frames, the file holds 2,478"), (5000, "truncated"), (30, "not a PCM WAV file qkv can read")):
+        (tmp_path / "t.wav").write_bytes(raw[:cut])
+        with pytest.raises(ValueError, match=f"t.wav: {match}"):
+            read_wav(tmp_path / "t.wav")
+
+
+def test_a_missing_seq2seq_directory_says_so():
+    from qkv.models import load_seq2seq_lm
+
+    with pytest.raises(ModelError, match="missing-dir: no such file or folder"):
+        load_seq2seq_lm("missing-dir")

@@ -8,18 +8,23 @@ import pytest
 
 from peer_cases import FAMILIES, cases, error_ratio
 
-# Ratio of qkv's float32 error to PyTorch's float32 math SDPA error, both against float64.
-# FlashAttention's tests require <= 2, on every family. The slice includes FlashAttention's L=3
-# shapes, where a GEMM's one-register sums once gave 2.5 on "sharp" (qkv.flash.score_product).
+# qkv's float32 error against PyTorch's float32 math SDPA error, both against float64, judged as
+# FlashAttention's tests judge it: err <= 2 * err_torch + fwd_atol (the rounding allowance of the
+# output's size, error_ratio's fourth value), on every family. The slice includes FlashAttention's
+# L=3 shapes, where a GEMM's one-register sums once gave 2.5 on "sharp" (qkv.flash.score_product).
+# The BLAS kernels differ by processor: on an AVX-512 Xeon, OpenBLAS's one-row product gives 2.02x
+# torch's error on "sharp" L=1 (inside the allowance), and its few-row products summed 799 positive
+# keys at 3x torch's error before the direct path summed keys in chunks (attention._weighted_values).
 BOUND = 2.0
 
 
 @pytest.mark.parametrize("implementation", ["direct", "tiled"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float32_error_within_flash_attention_bound(torch, family, implementation):
-    ratios = [error_ratio(c, torch, implementation)[0] for c in cases(family, limit=6, max_len=1024)]
-    assert max(ratios) <= BOUND, ratios
-    assert np.median(ratios) <= 1.5, ratios
+    results = [error_ratio(c, torch, implementation) for c in cases(family, limit=6, max_len=1024)]
+    for ratio, err, err_torch, allowance in results:
+        assert err <= BOUND * err_torch + allowance, results
+    assert np.median([r[0] for r in results]) <= 1.5, results
 
 
 @pytest.mark.parametrize("family", ["padding", "bias_mask"])

@@ -97,6 +97,19 @@ def _physical_memory() -> int | None:
         return None
 
 
+def is_real_dtype(dtype) -> bool:
+    """Whether ``dtype`` holds real numbers qkv computes with: ints, floats, and ml_dtypes' bfloat16."""
+    dtype = np.dtype(dtype)
+    return (dtype.kind in "fiu" and dtype != np.bool_) or dtype.name == "bfloat16"
+
+
+def check_representable(value: float, dtype, name: str) -> None:
+    """``value`` must stay finite in the compute ``dtype`` (``scale=1e300`` is inf in float32: all-NaN output)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f" and not abs(float(value)) <= float(np.finfo(dtype).max):
+        raise ValueError(f"{name} {value!r} does not fit in {dtype.name} (largest {float(np.finfo(dtype).max):.3g}): it would make every score infinite")
+
+
 def check_fits(nbytes: int, what: str, hint: str) -> None:
     """A ``MemoryError`` before allocating more than this machine's memory, saying how much and what to do."""
     total = _physical_memory()
@@ -104,9 +117,20 @@ def check_fits(nbytes: int, what: str, hint: str) -> None:
         raise MemoryError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than this machine's {total / 2**30:.1f} GiB of memory; {hint}")
 
 
+#: The floating dtypes qkv computes with (float16 and bfloat16 in float32).
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
 def float_dtype(*arrays: np.ndarray) -> np.dtype:
-    """The floating dtype NumPy promotion gives these arrays (ints and bools become float64)."""
-    dt = np.result_type(*arrays)
+    """The floating dtype NumPy promotion gives these arrays (ints and bools become float64); a clear
+    error for dtypes that do not mix (bfloat16 with float16) or that qkv does not compute in (float128)."""
+    try:
+        dt = np.result_type(*arrays)
+    except TypeError:  # NumPy's DTypePromotionError is one
+        names = sorted({a.dtype.name for a in arrays})
+        raise TypeError(f"inputs of dtypes {', '.join(names)} do not mix: give them one dtype (e.g. .astype(np.float32))") from None
+    if dt.kind == "f" and dt.itemsize > 8:
+        raise TypeError(f"dtype {dt.name} is not supported: qkv computes in {', '.join(FLOAT_DTYPES)} (float16 and bfloat16 in float32); convert with .astype(np.float64)")
     if dt.name == "bfloat16":  # ml_dtypes: a Python float would promote it to float64
         return dt
     return np.result_type(dt, 1.0)

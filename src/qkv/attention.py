@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import masks as _masks
-from ._checks import TORCH_ATTENTION_NAMES, compute_dtype as _compute_dtype, as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, float_dtype, pytorch_names
+from ._checks import TORCH_ATTENTION_NAMES, compute_dtype as _compute_dtype, as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, check_representable, float_dtype, pytorch_names
 from ._parallel import check_workers
 from .dropout import dropout_keep
 from . import flash as _flash
@@ -165,6 +165,7 @@ def _prepare(query, key, value, mask, bias, is_causal, scale, window=None, **var
         scale = 1.0 / math.sqrt(D)
     else:
         scale = check_real(scale, "scale")
+    check_representable(scale, compute_dtype, "scale")
 
     # What the user sees: unbatched input has no heads axis.
     user_scores_shape = scores_shape[1:] if unbatched else scores_shape
@@ -583,7 +584,7 @@ def scaled_dot_product_attention(
     res = _weights(p, want_lse=return_lse, kernel=kernel)
     weights, lse = res if return_lse else (res, None)
     weights = _dropout(weights, p, dropout_p, rng)  # (..., Hk, G, L, S)
-    out = weights @ p.v  # (..., Hk, G, L, Dv)
+    out = _weighted_values(weights, p.v)  # (..., Hk, G, L, Dv)
     out = _finish(out, p, p.out_shape[-1])
     extra = []
     if return_weights:
@@ -591,6 +592,21 @@ def scaled_dot_product_attention(
     if return_lse:
         extra.append(_finish(lse[..., None], p, 1, keep_dtype=True)[..., 0])
     return (out, *extra) if extra else out
+
+
+def _weighted_values(w: np.ndarray, v: np.ndarray) -> np.ndarray:  # (..., L, S), (..., S, Dv) -> (..., L, Dv)
+    """``w @ v``; over many float32 keys, in chunks of keys summed in float64 as the tiled path sums
+    them. One float32 product over S keys rounds a long running sum: some BLAS kernels for few rows
+    (OpenBLAS's small-matrix ones on AVX-512) add the keys one after another, and the error grows with
+    S (3x torch's on 799 positive keys)."""
+    S = v.shape[-2]
+    if w.dtype != np.float32 or S <= _flash.VALUE_CHUNK:
+        return w @ v
+    out = np.zeros((*np.broadcast_shapes(w.shape[:-2], v.shape[:-2]), w.shape[-2], v.shape[-1]), np.float64)
+    for a in range(0, S, _flash.VALUE_CHUNK):
+        e = min(a + _flash.VALUE_CHUNK, S)
+        out += w[..., a:e] @ v[..., a:e, :]
+    return out.astype(np.float32)
 
 
 def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:

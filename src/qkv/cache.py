@@ -312,6 +312,18 @@ def gather_pages(key_pages, value_pages, block_table, cache_seqlens=None):  # (P
     return k, v, lengths
 
 
+def cache_dtype(dtype) -> np.dtype:
+    """A cache's dtype: a floating one (float16, bfloat16, float32, float64); an integer dtype would
+    store keys and values rounded and wrapped without a word (0.7 as 0, 300 as 44 in int8)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype should be a floating dtype (float16, bfloat16, float32, float64), got {dtype!r}") from None
+    if not (dt.kind == "f" or dt.name == "bfloat16") or dt.itemsize > 8:
+        raise TypeError(f"dtype should be a floating dtype (float16, bfloat16, float32, float64), got {dt.name}")
+    return dt
+
+
 class PagedKVCache:
     """A key/value cache in fixed-size pages from one shared pool, as vLLM and FlashAttention's ``block_table`` keep it.
 
@@ -352,6 +364,7 @@ class PagedKVCache:
         self.page_size = check_int(page_size, "page_size", minimum=1)
         Hk, D = check_int(num_kv_heads, "num_kv_heads", minimum=1), check_int(head_dim, "head_dim", minimum=1)
         Dv = D if value_dim is None else check_int(value_dim, "value_dim", minimum=1)
+        dtype = cache_dtype(dtype)
         self.keys = np.zeros((P, Hk, self.page_size, D), dtype)  # the pools
         self.values = np.zeros((P, Hk, self.page_size, Dv), dtype)
         if isinstance(order, np.random.Generator):

@@ -197,13 +197,13 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None,
     keep2 = None if keep is None else np.ascontiguousarray(np.broadcast_to(keep, shape)).reshape(s2.shape)
     m = np.full(len(s2), -np.inf, dt)  # no shift yet: the step takes each row's maximum
     total = np.zeros(len(s2), ACC)
-    if sinks is not None:  # the sink is the first key every row has seen: shift sink, sum exp(0) = 1
-        m[:] = np.broadcast_to(sinks, shape[:-1]).reshape(-1)
-        total[:] = 1
+    if sinks is not None:  # the keys' step as without a sink, then the sink joins the sum (add_sink_)
         s2 = np.ascontiguousarray(s2)
         _KERNELS[name](s2, keep2, m, total, False)
+        factor = add_sink_(m, total, np.broadcast_to(sinks, shape[:-1]).reshape(-1))
         with np.errstate(invalid="ignore"):
-            s2 /= total.astype(dt)[:, None]
+            s2 *= factor[:, None]
+            s2 /= np.where(total == 0, 1, total).astype(dt)[:, None]
     elif name == "numba":  # the same step, then the same division, in one compiled call
         from ._compiled import softmax_rows
 
@@ -220,6 +220,26 @@ def step_softmax_(s, keep, *, want_lse: bool = False, kernel: str | None = None,
     with np.errstate(divide="ignore"):
         lse = (np.log(total) + np.where(np.isfinite(m), m, 0)).astype(dt)  # -inf where nothing is kept
     return out, lse.reshape(shape[:-1])
+
+
+def add_sink_(m: np.ndarray, total: np.ndarray, sink: np.ndarray) -> np.ndarray:  # (R,), (R,), (R,) -> (R,)
+    """Join each row's sink logit to a finished softmax step, in place: the shift ``m`` becomes
+    ``max(m, sink)``, ``total`` (the sum of ``exp(s - m)``) is rescaled to it and gains
+    ``exp(sink - shift)``. Returns the factor the numerators (or the accumulated output) take.
+
+    The sink joins last, not first: started at a sink's shift, a row's scores would be computed as
+    ``s - sink``, which cancels for a large negative sink (-1e30: every score lost to rounding). A
+    sink of -inf adds exactly nothing: the same numbers as no sink.
+    """
+    m64, sink = m.astype(np.float64), sink.astype(np.float64)
+    shift = np.maximum(m64, sink)
+    none = np.isneginf(shift)  # no key kept and no sink: nothing changes
+    with np.errstate(invalid="ignore", over="ignore"):
+        factor = np.where(none, 1, np.exp(np.where(np.isneginf(m64), -np.inf, m64 - np.where(none, 0, shift))))
+        total *= factor
+        total += np.where(none | np.isneginf(sink), 0, np.exp(sink - np.where(none, 0, shift)))
+    m[...] = shift
+    return factor
 
 
 def kernel_names() -> list[str]:
@@ -533,11 +553,11 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
         qx = scratch("qx", (rows, D + 1), dt)
         np.multiply(qb.reshape(rows, D), scale, out=qx[:, :D])
         sink = None if var is None else var.sink_rows(bidx, hk, n)
-        # The shift applied so far (-inf: none yet), and the running sum of exp(s - m); a sink
-        # is a key with no value: it starts the row, at shift sink and sum 1.
-        m = np.full(rows, -np.inf, dt) if sink is None else sink.astype(dt)
-        total = np.zeros(rows, ACC) if sink is None else np.ones(rows, ACC)
-        qx[:, D] = -m if fold and sink is not None else 0  # folded: the product subtracts the shift
+        # The shift applied so far (-inf: none yet), and the running sum of exp(s - m); a sink (a
+        # key with no value) joins once every key has been seen (add_sink_).
+        m = np.full(rows, -np.inf, dt)
+        total = np.zeros(rows, ACC)
+        qx[:, D] = 0  # folded: the product subtracts the shift
         acc = scratch("acc", (rows, Dv), ACC)
         acc[:] = 0
         tmp = scratch("tmp", (rows, Dv), dt)
@@ -599,6 +619,8 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                     e = min(a + VALUE_CHUNK, w)
                     np.matmul(s[:, a:e], vx[j0 + c0 + a : j0 + c0 + e], out=tmp[r])
                     acc[r] += tmp[r]
+        if sink is not None:
+            acc *= add_sink_(m, total, sink)[:, None]
         nan = np.isnan(total)
         seen = (total > 0) | nan
         res = (acc / np.where(seen, total, 1)[:, None]).astype(dt)

@@ -534,6 +534,21 @@ def _blocks(block) -> tuple[int, int]:
 _CHUNK = 1 << 24
 
 
+def _check_shared(mask_mod, shared: list, B: int, H: int, rows: int, S: int) -> None:
+    """B=None (or H=None) promises the mask is the same for every batch entry (head); a mask mod that
+    uses ``b`` (``h``) would then be classified from entry 0 alone and the tiled path would skip or
+    keep tiles another entry needs. Evaluated at indices 0 and 1, a mod that differs is refused."""
+    nb, nh = (2 if "b" in shared else B), (2 if "h" in shared else H)
+    try:
+        out = np.broadcast_to(np.asarray(mask_mod(*index_grids(nb, range(nh), range(rows), range(S)))), (nb, nh, rows, S))
+    except (IndexError, ValueError, TypeError):  # indexes a table of one entry: it cannot differ
+        return
+    for axis, name in ((0, "b"), (1, "h")):
+        if name in shared and not np.array_equal(np.take(out, 0, axis=axis), np.take(out, 1, axis=axis)):
+            what = "B" if name == "b" else "H"
+            raise ValueError(f"mask_mod {getattr(mask_mod, '__name__', 'mask_mod')!r} depends on {name} (its mask differs at {name}=0 and {name}=1) but {what}=None says it does not: pass {what}=the real count")
+
+
 def create_block_mask(mask_mod, B: int | None, H: int | None, L: int, S: int, *, block=128) -> BlockMask:
     """Evaluate ``mask_mod`` once over the (B, H, L, S) matrix and classify its tiles.
 
@@ -568,10 +583,13 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, L: int, S: int, *,
     """
     if not callable(mask_mod):
         raise TypeError(f"mask_mod should be callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+    shared = [name for name, given in (("b", B), ("h", H)) if given is None]
     B = 1 if B is None else check_int(B, "B", minimum=1)
     H = 1 if H is None else check_int(H, "H", minimum=1)
     L, S = check_int(L, "L", minimum=0), check_int(S, "S", minimum=0)
     bq, bk = _blocks(block)
+    if shared and L and S:
+        _check_shared(mask_mod, shared, B, H, min(L, bq), S)
     nq, nk = -(-L // bq), -(-S // bk)
     # Which of b and h the mask depends on: its output on one row of tiles keeps the axes it uses.
     probe = np.asarray(mask_mod(*index_grids(B, range(H), range(min(L, bq)), range(S))))

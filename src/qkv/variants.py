@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import mods as _mods
-from ._checks import as_array, check_broadcast, check_int, check_real
+from ._checks import as_array, check_broadcast, check_int, check_real, check_representable, is_real_dtype
 
 __all__ = ["Variants", "prepare", "packed_offsets"]
 
@@ -273,18 +273,21 @@ def prepare(*, batch: tuple, Hk: int, G: int, L: int, S: int, compute_dtype, win
         var.softcap = check_real(softcap, "softcap")
         if var.softcap <= 0:
             raise ValueError(f"softcap should be > 0 (scores are squashed into (-softcap, softcap)), got {var.softcap}")
+        check_representable(var.softcap, compute_dtype, "softcap")
     user_batch_heads = (*batch, Hq)
     if sinks is not None:
         arr = as_array(sinks, "sinks")
-        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_ or arr.ndim == 0:
+        if not is_real_dtype(arr.dtype) or arr.ndim == 0:
             raise TypeError(f"sinks should be real numbers, one per query head ((Hq,) or (..., Hq)), got shape {arr.shape} dtype {arr.dtype}")
+        if np.isnan(arr.astype(np.float64)).any() or (arr.astype(np.float64) == np.inf).any():
+            raise ValueError("sinks should be finite, or -inf for no sink; got NaN or +inf (a sink of +inf would take every row's whole weight)")
         check_broadcast(arr, user_batch_heads, "sinks", "(..., Hq)")
         var.user_shapes["sinks"] = arr.shape
         arr = arr.astype(compute_dtype)
         var.sinks = arr.reshape(*arr.shape[:-1], Hk, G) if arr.shape[-1] == Hq else arr[..., None]
     if alibi_slopes is not None:
         arr = as_array(alibi_slopes, "alibi_slopes")
-        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_ or arr.ndim == 0:
+        if not is_real_dtype(arr.dtype) or arr.ndim == 0:
             raise TypeError(f"alibi_slopes should be real numbers, (Hq,) or (B, Hq), got shape {arr.shape} dtype {arr.dtype}")
         check_broadcast(arr, user_batch_heads, "alibi_slopes", "(..., Hq)")
         var.user_shapes["alibi_slopes"] = arr.shape

@@ -233,7 +233,12 @@ def check_token_ids(ids, vocab_size: int, name: str = "input_ids") -> tuple[np.n
     with L >= 1, each in [0, vocab_size); returned as (B, L) int64 and whether a batch axis was added."""
     if isinstance(ids, str):
         raise TypeError(f"{name} should be token ids, got a str: use lm.tokenizer.encode(text) or lm.generate(text)")
-    a = np.asarray(ids)
+    try:
+        a = np.asarray(ids)
+    except ValueError:  # NumPy's "inhomogeneous shape": rows of different lengths
+        lengths = [len(r) if hasattr(r, "__len__") else 1 for r in ids]
+        raise ValueError(f"{name} rows have different lengths ({', '.join(map(str, lengths[:8]))}{', ...' if len(lengths) > 8 else ''}): "
+                         "pad them to one length and pass attention_mask (True / 1 = a real token)") from None  # fmt: skip
     if a.dtype == object or (a.size and a.dtype.kind not in "iu"):
         raise TypeError(f"{name} should be integers, got dtype {a.dtype}")
     if a.ndim not in (1, 2):

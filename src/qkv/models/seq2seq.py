@@ -41,6 +41,12 @@ from .functional import ACTIVATIONS, layer_norm, rms_norm
 __all__ = ["Seq2SeqConfig", "Attention", "Seq2SeqLayer", "Seq2SeqLM", "Seq2SeqCache", "Seq2SeqOutput", "Seq2SeqGenerateOutput"]
 
 
+#: The most beams beam search runs (transformers' users run 1 to a few dozen).
+MAX_BEAMS = 256
+#: The largest |length_penalty|: past it, length ** length_penalty overflows a float for long targets.
+MAX_LENGTH_PENALTY = 10.0
+
+
 @dataclass(frozen=True)
 class Seq2SeqConfig:
     """What an encoder-decoder family is, as data.
@@ -410,10 +416,15 @@ class Seq2SeqLM:
         the best ``num_beams`` others run on; the search stops when no running beam can beat the worst of
         ``num_beams`` finished ones (``early_stopping=True``: as soon as there are ``num_beams``).
         """
-        from .._checks import check_int
+        from .._checks import check_int, check_real
 
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
         num_beams = check_int(num_beams, "num_beams", minimum=1)
+        if num_beams > MAX_BEAMS:  # each beam is a row of every step's batch: 10**6 took 60 s and 6.7 GB before failing
+            raise ValueError(f"num_beams should be at most {MAX_BEAMS}, got {num_beams:,}")
+        length_penalty = check_real(length_penalty, "length_penalty")
+        if not abs(length_penalty) <= MAX_LENGTH_PENALTY:  # NaN too: it silently changed which beam won
+            raise ValueError(f"length_penalty should be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (scores are divided by length ** length_penalty), got {length_penalty!r}")
         eos = self.config.eos_token_id
         src = self._source(source)
         if len(src) != 1:

@@ -112,7 +112,9 @@ def read_wav(path) -> tuple[np.ndarray, int]:  # -> (samples,) float32 in [-1, 1
                 raise ValueError(f"{path}: {n / rate:.0f} s of audio is far past Whisper's {CHUNK_SECONDS} s window")
             data = f.readframes(n)
     except (wave.Error, EOFError) as exc:
-        raise ValueError(f"{path}: not a PCM WAV file qkv can read ({exc})") from None
+        raise ValueError(f"{path}: not a PCM WAV file qkv can read ({exc or 'the file ends inside its header'})") from None
+    if len(data) != n * width * channels:
+        raise ValueError(f"{path}: truncated: its header says {n:,} frames, the file holds {len(data) // max(1, width * channels):,}")
     if width == 3:  # 24-bit: widen each sample to 32 bits
         b = np.frombuffer(data, np.uint8).reshape(-1, 3)
         raw = (b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8) | (b[:, 2].astype(np.int8).astype(np.int32) << 16)).astype(np.float64) / 2**23

@@ -501,3 +501,41 @@ def test_a_missing_seq2seq_directory_says_so():
 
     with pytest.raises(ModelError, match="missing-dir: no such file or folder"):
         load_seq2seq_lm("missing-dir")
+
+
+# ------------------------------------------------------------------------------- the user's install
+def test_every_extra_brings_what_its_code_imports():
+    """[gemma] is the README's generate line: without numba it decoded at 0.2 tokens/s; numba's np.dot
+    needs SciPy's BLAS, so [fast] without SciPy failed inside the first tiled product."""
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {k: {d.split(">")[0].split("=")[0].split("[")[0] for d in v} | {x for d in v if d.startswith("qkv[") for x in d[4:-1].split(",")} for k, v in extras.items()}
+    assert {"numba", "scipy"} <= names["fast"]
+    assert "fast" in names["gemma"] and "models" in names["gemma"]
+    assert {"fast", "dask", "gemma", "models", "viz"} <= names["all"]
+
+
+def test_without_the_compiled_kernels_products_fall_back_and_say_so_once(monkeypatch):
+    import warnings
+
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    import qkv.flash
+    from qkv.models import quants
+
+    monkeypatch.setattr(qkv.flash, "compiled_available", lambda: False)
+    monkeypatch.setattr(qkv.flash, "KERNEL", "numpy")
+    monkeypatch.setattr(quants, "_told", [])
+    w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    m = quants.QuantizedMatrix(quantize(w, T.Q8_0), "Q8_0", (64, 96))
+    x = np.ones((1, 96), np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a, b = m.matmul(x), m.matmul(x)
+    said = [str(c.message) for c in caught]
+    assert len(said) == 1 and "pip install 'qkv[fast]'" in said[0]
+    np.testing.assert_allclose(a, x @ m.dequantize(kernel="numpy").T, rtol=1e-6)
+    assert np.array_equal(a, b)

@@ -419,7 +419,10 @@ def _embed_dask(args) -> int:
     finally:
         if client is not None:
             client.close()
-    print(f"wrote {res['output']}: {res['rows']} x {res['dim']} float32 embeddings, {res['partitions']} partitions on {len(res['worker_pids'])} Dask workers", file=sys.stderr)
+    why = ""
+    if args.workers is not None and res["partitions"] < args.workers:  # a small file: fewer tasks than workers
+        why = f" ({res['rows']:,} lines make {res['partitions']} partition{'s' if res['partitions'] > 1 else ''}: fewer than the {args.workers} workers, so some had nothing to do)"
+    print(f"wrote {res['output']}: {res['rows']} x {res['dim']} float32 embeddings, {res['partitions']} partitions on {len(res['worker_pids'])} Dask workers{why}", file=sys.stderr)
     return 0
 
 

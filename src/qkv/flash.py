@@ -244,7 +244,13 @@ def add_sink_(m: np.ndarray, total: np.ndarray, sink: np.ndarray) -> np.ndarray:
 
 def kernel_names() -> list[str]:
     """The block-step kernels this installation has: "numpy" always, "numba" with ``qkv[fast]``."""
-    return ["numpy"] + (["numba"] if importlib.util.find_spec("numba") is not None else [])
+    return ["numpy"] + (["numba"] if compiled_available() else [])
+
+
+def compiled_available() -> bool:
+    """Whether the compiled kernels can run: numba, and SciPy, whose BLAS numba's ``np.dot`` calls
+    (numba without SciPy fails inside the first product: the ``fast`` extra brings both)."""
+    return importlib.util.find_spec("numba") is not None and importlib.util.find_spec("scipy") is not None
 
 
 def check_kernel(name) -> str:
@@ -252,7 +258,7 @@ def check_kernel(name) -> str:
     if name not in _KERNELS:
         raise ValueError(f"kernel should be one of {sorted(_KERNELS)}, got {name!r}")
     if name not in kernel_names():
-        raise ImportError(f"kernel {name!r} needs numba: pip install 'qkv[fast]'")
+        raise ImportError(f"kernel {name!r} needs numba and scipy: pip install 'qkv[fast]'")
     return name
 
 

@@ -38,7 +38,6 @@ Q6_K   256    210     (d * sc_s) * (q - 32), 16 sub-blocks with int8 sc, 6-bit q
 
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 
@@ -57,8 +56,22 @@ DIRECT_TOKENS = 4
 
 
 def kernel_available() -> bool:
-    """Whether numba is there for the compiled products (otherwise: dequantize, then NumPy)."""
-    return importlib.util.find_spec("numba") is not None
+    """Whether numba (and SciPy) are there for the compiled products (otherwise: dequantize, then NumPy)."""
+    from ..flash import compiled_available
+
+    return compiled_available()
+
+
+_told = []
+
+
+def _say_once_uncompiled() -> None:
+    """Without numba every product dequantizes its whole matrix (about 0.2 tokens/s): said once, with the fix."""
+    if not _told:
+        _told.append(True)
+        import warnings
+
+        warnings.warn("quantized weights are multiplied without numba (dequantized at every product: about 100x slower): pip install 'qkv[fast]'", RuntimeWarning, stacklevel=3)
 
 
 def _scales(raw: np.ndarray, qtype: str):  # (rows, row bytes) -> float32 arrays of the block scales
@@ -192,6 +205,8 @@ class QuantizedMatrix:
         x2 = np.ascontiguousarray(x.reshape(-1, self.shape[1]))  # (T, in)
         T = len(x2)
         if (kernel or _default_kernel()) == "numpy":
+            if kernel is None and not kernel_available():
+                _say_once_uncompiled()
             out = x2 @ self.dequantize(kernel="numpy").T
         elif T <= DIRECT_TOKENS:
             from . import _quant_kernels as qk

@@ -595,12 +595,13 @@ def scaled_dot_product_attention(
 
 
 def _weighted_values(w: np.ndarray, v: np.ndarray) -> np.ndarray:  # (..., L, S), (..., S, Dv) -> (..., L, Dv)
-    """``w @ v``; over many float32 keys, in chunks of keys summed in float64 as the tiled path sums
-    them. One float32 product over S keys rounds a long running sum: some BLAS kernels for few rows
-    (OpenBLAS's small-matrix ones on AVX-512) add the keys one after another, and the error grows with
-    S (3x torch's on 799 positive keys)."""
-    S = v.shape[-2]
-    if w.dtype != np.float32 or S <= _flash.VALUE_CHUNK:
+    """``w @ v``; for a few query rows over many float32 keys, in chunks of keys summed in float64 as
+    the tiled path sums them. OpenBLAS's kernels for few rows (its small-matrix ones on AVX-512) add the
+    keys one after another in float32, and the error grows with S (3x torch's on 3 rows over 799
+    positive keys). Few rows only: there it costs microseconds; on (8, 1024, 2048) it would cost 1.5x
+    the product."""
+    L, S = w.shape[-2], v.shape[-2]
+    if w.dtype != np.float32 or S <= _flash.VALUE_CHUNK or L > _flash.ROWWISE:
         return w @ v
     out = np.zeros((*np.broadcast_shapes(w.shape[:-2], v.shape[:-2]), w.shape[-2], v.shape[-1]), np.float64)
     for a in range(0, S, _flash.VALUE_CHUNK):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import as_array, check_int
+from ._checks import FLOAT_DTYPES, as_array, check_int
 
 __all__ = ["KVCache", "LayerCache", "PagedKVCache", "gather_pages"]
 
@@ -318,9 +318,9 @@ def cache_dtype(dtype) -> np.dtype:
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype should be a floating dtype (float16, bfloat16, float32, float64), got {dtype!r}") from None
-    if not (dt.kind == "f" or dt.name == "bfloat16") or dt.itemsize > 8:
-        raise TypeError(f"dtype should be a floating dtype (float16, bfloat16, float32, float64), got {dt.name}")
+        dt = None
+    if dt is None or dt.name not in FLOAT_DTYPES:
+        raise TypeError(f"dtype should be a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype if dt is None else dt.name!r}")
     return dt
 
 

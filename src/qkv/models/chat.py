@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import datetime
 
 from .errors import ModelError
@@ -107,8 +108,8 @@ def _repeat(left, right):
     for seq, n in ((left, right), (right, left)):
         if _size(seq) and isinstance(n, int):
             _check_size(_size(seq) * max(n, 0), "a repetition ('*')")
-    if isinstance(left, int) and isinstance(right, int):
-        _check_int(1 << (left.bit_length() + right.bit_length()), "a product ('*')")
+    if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+        raise TemplateLimitError(f"a product ('*') would have up to {left.bit_length() + right.bit_length():,} bits, more than qkv computes ({MAX_INT_BITS:,})")
     return left * right
 
 
@@ -130,8 +131,8 @@ def _add(left, right):
     return out
 
 
-_PRINTF_WIDTH = __import__("re").compile(r"%[-+ #0]*(\d*)(?:\.(\d*))?")
-_BRACE_WIDTH = __import__("re").compile(r"\d+")
+_PRINTF_WIDTH = re.compile(r"%[-+ #0]*(\d*)(?:\.(\d*))?")
+_BRACE_WIDTH = re.compile(r"\d+")
 
 
 def _check_format(text: str, style: str) -> None:

@@ -260,9 +260,14 @@ def test_attention_command_draws_cross_attention(torch, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "target 3 tokens: ['w3', 'w4', 'w1']" in r.stdout
     assert (tmp_path / "a" / "cross_layer2.png").stat().st_size > 1000 and (tmp_path / "a.html").stat().st_size > 1000
-    r = run("w5 w9 w12 w1", "--model", str(d), "--kind", "encoder", "--layer", "0", "--out", str(tmp_path / "b"))  # no --target: the model's own output
+    r = run("w5 w9 w12 w1", "--model", str(d), "--kind", "encoder", "--layer", "0", "--out", str(tmp_path / "b"))  # the encoder needs no target: nothing decoded
     assert r.returncode == 0, r.stderr
-    assert "no --target: the model's own greedy output" in r.stderr and (tmp_path / "b" / "encoder_layer0.png").is_file()
+    assert "greedy output" not in r.stderr and "target" not in r.stdout and (tmp_path / "b" / "encoder_layer0.png").is_file()
+    r = run("w5 w9 w12 w1", "--model", str(d), "--layer", "0", "--out", str(tmp_path / "b"))  # no --target: the model's own output
+    assert r.returncode == 0, r.stderr
+    assert "no --target: the model's own greedy output" in r.stderr and (tmp_path / "b" / "cross_layer0.png").is_file()
+    r = run("w5 w9 w12 w1", "--model", str(d), "--head", "9")  # checked before decoding
+    assert r.returncode == 2 and "--head should be in [0, 3], got 9" in r.stderr and "greedy output" not in r.stderr
     r = run("hello", "--target", "x", "--out", str(tmp_path / "c"))
     assert r.returncode == 2 and "--target and --kind need an encoder-decoder --model" in r.stderr
 

@@ -312,6 +312,32 @@ def test_gemma_numbers_are_checked_at_load(key, value, match, tmp_path):
         load_causal_lm(raw_gguf(tmp_path / "g.gguf", keys))
 
 
+class _Fields:
+    """The metadata face of a GGUFFile (``field``, ``architecture``), for tokenizer tests."""
+
+    def __init__(self, **fields):
+        self.fields, self.architecture = {k.replace("__", "."): v for k, v in fields.items()}, "llama"
+
+    def field(self, key, default=None, *, required=False):
+        return self.fields.get(key, default)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(merges=["a q"]), r"merges entry 'a q' makes or uses 'q', which is not in tokenizer.ggml.tokens"),
+    (dict(merges=["a b", "zz b"]), r"merges entry 'zz b' makes or uses 'zz'"),
+    (dict(merges=["b a"]), r"merges entry 'b a' makes or uses 'ba'"),  # the merged token is missing
+    (dict(tokens=[], types=[], merges=[]), r"tokenizer.ggml.tokens is empty"),
+])  # fmt: skip
+def test_a_vocabulary_that_cannot_encode_is_refused_at_load(change, match):
+    from qkv.models.tokenizer import from_gguf
+
+    fields = dict(tokens=["a", "b", "ab"], token_type=[1, 1, 1], merges=["a b"]) | {("token_type" if k == "types" else k): v for k, v in change.items()}
+    gguf = _Fields(tokenizer__ggml__model="gpt2", **{f"tokenizer__ggml__{k}": v for k, v in fields.items()})
+    with pytest.raises(ModelError, match="f.gguf: .*" + match):
+        from_gguf(gguf, source="f.gguf")
+    assert from_gguf(_Fields(tokenizer__ggml__model="gpt2", tokenizer__ggml__tokens=["a", "b", "ab"], tokenizer__ggml__token_type=[1, 1, 1], tokenizer__ggml__merges=["a b"]), source="f.gguf").encode("ab") == [2]
+
+
 @pytest.fixture(scope="module")
 def tiny_q8(torch, tmp_path_factory):
     """A tiny llama written as llama.cpp writes it (Q8_0 matrices, F32 norms), and its bytes."""
@@ -450,6 +476,61 @@ def test_bfloat16_sinks_and_alibi_slopes_are_accepted_like_bias():
     got = sdpa(x, x, x, sinks=sinks, alibi_slopes=slopes, is_causal=True)
     want = sdpa(x.astype(np.float32), x.astype(np.float32), x.astype(np.float32), sinks=sinks.astype(np.float32), alibi_slopes=slopes.astype(np.float32), is_causal=True)
     np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2)
+
+
+def _mask_with_and(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx and kv_idx > 0  # Python `and` on arrays: ambiguous truth value
+
+
+def _score_with_if(score, b, h, q_idx, kv_idx):
+    return score if q_idx > kv_idx else score - 1
+
+
+@pytest.mark.parametrize("call", ["sdpa_mask_mod", "create_block_mask", "sdpa_score_mod", "vjp_score_mod"])
+def test_a_mod_written_for_scalars_is_named_with_the_fix(call):
+    import qkv
+    from qkv import mods
+
+    x = np.ones((1, 2, 4, 8), np.float32)
+    run = {
+        "sdpa_mask_mod": lambda: qkv.scaled_dot_product_attention(x, x, x, mask_mod=_mask_with_and),
+        "create_block_mask": lambda: mods.create_block_mask(_mask_with_and, 1, 2, 4, 4),
+        "sdpa_score_mod": lambda: qkv.scaled_dot_product_attention(x, x, x, score_mod=_score_with_if),
+        "vjp_score_mod": lambda: qkv.scaled_dot_product_attention_vjp(x, x, x, score_mod=_score_with_if, implementation="tiled"),
+    }[call]
+    name = "_score_with_if" if "score" in call else "_mask_with_and"
+    with pytest.raises(ValueError, match=rf"'{name}' failed .*use &, \|, np.where, not and/or/if"):
+        run()
+
+
+@pytest.mark.parametrize("make", ["alibi", "relative_position_bias", "returns_bfloat16"])
+def test_bfloat16_is_accepted_wherever_a_float_is(make):
+    import ml_dtypes
+
+    from qkv import mods, scaled_dot_product_attention_vjp as sdpa_vjp
+
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    param = rng.standard_normal({"alibi": (2,), "relative_position_bias": (2, 7), "returns_bfloat16": (1,)}[make]).astype(bf16)
+
+    def build(p):
+        if make == "alibi":
+            return mods.alibi(p)
+        if make == "relative_position_bias":
+            return mods.relative_position_bias(p, 3)
+        return mods.ScoreMod(lambda s, b, h, i, j: (s * p.astype(np.float32)[0]).astype(p.dtype), lambda s, b, h, i, j: np.full_like(s, float(p[0])))
+
+    d_out = rng.standard_normal((2, 6, 8)).astype(bf16)
+    out, vjp = sdpa_vjp(x, x, x, score_mod=build(param))
+    grads = vjp(d_out)  # a bfloat16 d_output, as the bfloat16 output a bfloat16 forward returns
+    out32, vjp32 = sdpa_vjp(x, x, x, score_mod=build(param.astype(np.float32)))
+    grads32 = vjp32(d_out.astype(np.float32))
+    np.testing.assert_allclose(out, out32, atol=1e-2)
+    for name in ("d_query", "d_key", "d_value"):
+        np.testing.assert_allclose(getattr(grads, name), getattr(grads32, name), atol=2e-2)
+    for name, g in grads.d_score_mod.items():
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(grads32.d_score_mod[name], np.float32), atol=2e-2)
 
 
 # ------------------------------------------------------------------------------- generation bounds

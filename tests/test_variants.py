@@ -535,3 +535,50 @@ def test_packed_gradients_equal_each_sequence_alone(tiny_tiles, impl):
         d_slopes += gn.d_alibi_slopes
     np.testing.assert_allclose(g.d_sinks, d_sinks, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(g.d_alibi_slopes, d_slopes, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["direct", "tiled"])
+def test_a_per_sequence_mod_on_packed_sequences_equals_each_sequence_alone(tiny_tiles, impl):
+    """mods.per_sequence: a mod written for one sequence (positions from 0, b its index) acts within each
+    packed one; a ScoreMod keeps its gradient. Key and query lengths differ, so packed positions do not."""
+    rng = np.random.default_rng(11)
+    lengths = [(4, 6), (0, 3), (7, 9), (5, 2)]
+    cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lengths])])
+    cu_k = np.concatenate([[0], np.cumsum([b for _, b in lengths])])
+    H, N = 2, len(lengths)
+    q, k, v = rng.standard_normal((H, cu_q[-1], 8)), rng.standard_normal((H, cu_k[-1], 8)), rng.standard_normal((H, cu_k[-1], 8))
+    slopes = rng.random((N, H))  # one set per sequence: the mod reads b, its sequence index
+    table = rng.standard_normal((N, 9))
+    plain = lambda s, b, h, i, j: s + table[b, j] * (i >= 1)  # noqa: E731 - absolute positions within the sequence
+    prefix = mods.prefix_lm(2)
+    out, vjp = sdpa_vjp(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, implementation=impl,
+                        score_mod=mods.per_sequence(mods.alibi(slopes), cu_q, cu_k), mask_mod=mods.per_sequence(prefix, cu_q, cu_k, kind="mask"))  # fmt: skip
+    d = rng.standard_normal(out.shape)
+    g = vjp(d)
+    also = sdpa(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, implementation=impl, score_mod=mods.per_sequence(plain, cu_q, cu_k))
+    d_slopes = np.zeros_like(slopes)
+    for n in range(N):
+        a, b, c, e = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        o, vj = sdpa_vjp(q[:, a:b], k[:, c:e], v[:, c:e], score_mod=mods.alibi(slopes[n]), mask_mod=prefix)
+        gn = vj(d[:, a:b])
+        np.testing.assert_allclose(out[:, a:b], o, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(g.d_query[:, a:b], gn.d_query, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(g.d_key[:, c:e], gn.d_key, rtol=1e-10, atol=1e-12)
+        d_slopes[n] = gn.d_score_mod["slopes"]
+        alone = sdpa(q[:, a:b], k[:, c:e], v[:, c:e], score_mod=lambda s, b_, h, i, j, n=n: plain(s, b_ + n, h, i, j))
+        np.testing.assert_allclose(also[:, a:b], alone, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(g.d_score_mod["slopes"], d_slopes, rtol=1e-10, atol=1e-12)
+    # Without the wrapper the same mods see packed positions: a different answer (FlexAttention's convention).
+    flex_style = sdpa(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, implementation=impl, score_mod=lambda s, b, h, i, j: s + table[0, np.minimum(j, 8)] * (i >= 1))
+    assert not np.allclose(flex_style, also)
+
+
+def test_per_sequence_checks_its_arguments():
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k should give the same number of sequences, got 2 and 1"):
+        mods.per_sequence(mods.causal(), [0, 2, 4], [0, 4], kind="mask")
+    with pytest.raises(ValueError, match="cu_seqlens_q should start at 0"):
+        mods.per_sequence(mods.causal(), [1, 4], kind="mask")
+    with pytest.raises(ValueError, match="kind should be 'score' or 'mask', got 'bias'"):
+        mods.per_sequence(mods.causal(), [0, 4], kind="bias")
+    with pytest.raises(TypeError, match="mod should be a callable score or mask mod, got int"):
+        mods.per_sequence(3, [0, 4])

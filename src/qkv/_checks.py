@@ -89,6 +89,29 @@ def check_real(value, name: str, *, finite: bool = True, minimum: float | None =
     return value
 
 
+def check_int_vector(x, name: str) -> np.ndarray:
+    """A 1-D array of integers, as int64."""
+    arr = as_array(x, name)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{name} should be a 1-D array of integers, got shape {arr.shape} dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def check_cu_seqlens(x, name: str, total: int | None = None) -> np.ndarray:
+    """Cumulative sequence lengths of a packed axis: 0, never decreasing, ending at ``total`` (when given)."""
+    cu = check_int_vector(x, name)
+    if len(cu) < 2:
+        raise ValueError(f"{name} should have at least 2 entries (0 and the total), got {cu.tolist()}")
+    if cu[0] != 0:
+        raise ValueError(f"{name} should start at 0, got {int(cu[0])}")
+    if np.any(np.diff(cu) < 0):
+        i = int(np.argmax(np.diff(cu) < 0))
+        raise ValueError(f"{name} should never decrease, got {int(cu[i])} then {int(cu[i + 1])} at entries {i}, {i + 1}")
+    if total is not None and cu[-1] != total:
+        raise ValueError(f"{name} should end at the total length {total} (the packed axis), got {int(cu[-1])}")
+    return cu
+
+
 @functools.lru_cache(maxsize=1)
 def _physical_memory() -> int | None:
     try:

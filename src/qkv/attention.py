@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import masks as _masks
-from ._checks import TORCH_ATTENTION_NAMES, compute_dtype as _compute_dtype, as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, check_representable, float_dtype, pytorch_names
+from ._checks import TORCH_ATTENTION_NAMES, compute_dtype as _compute_dtype, as_array, as_bool_mask, as_rng, check_broadcast, check_fits, check_int, check_real, check_representable, float_dtype, is_real_dtype, pytorch_names
 from ._parallel import check_workers
 from .dropout import dropout_keep
 from . import flash as _flash
@@ -716,7 +716,7 @@ def scaled_dot_product_attention_vjp(
 
     def vjp(d_output):
         d = as_array(d_output, "d_output")
-        if d.dtype.kind not in "fiu":
+        if not is_real_dtype(d.dtype):
             raise TypeError(f"d_output should be a real float array, got dtype {d.dtype}")
         if d.shape != output.shape:
             raise ValueError(f"d_output shape should be {output.shape} (the output's), got {d.shape}")

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import as_array, check_int, check_real
+from ._checks import as_array, check_cu_seqlens, check_int, check_real, is_real_dtype
 
 __all__ = [
     "BlockMask",
@@ -68,6 +68,7 @@ __all__ = [
     "alibi_slopes",
     "relative_position_bias",
     "tanh_softcap",
+    "per_sequence",
     "evaluate_mask",
     "evaluate_score",
     "index_grids",
@@ -99,17 +100,25 @@ def index_grids(batch: int, heads, rows, cols):  # -> b (B,1,1,1), h (1,H,1,1), 
             np.asarray(rows, np.intp).reshape(1, 1, -1, 1), np.asarray(cols, np.intp).reshape(1, 1, 1, -1))  # fmt: skip
 
 
+#: Why a mod written for scalars fails: it is called once per tile, with broadcast index arrays.
+_ARRAYS_HINT = " (mods are called with NumPy index arrays, not ints: use &, |, np.where, not and/or/if)"
+
+
 def _name(mod) -> str:
     return getattr(mod, "__name__", type(mod).__name__)
 
 
+def _call_mask(mask_mod, b, h, q, kv) -> np.ndarray:
+    """``mask_mod(b, h, q, kv)``; a failure names the mod and the usual cause (Python ``and`` on arrays)."""
+    try:
+        return np.asarray(mask_mod(b, h, q, kv))
+    except (TypeError, IndexError, ValueError) as exc:
+        raise type(exc)(f"mask_mod {_name(mask_mod)!r} failed on index arrays {b.shape}, {h.shape}, {q.shape}, {kv.shape}: {exc}{_ARRAYS_HINT}") from None
+
+
 def evaluate_mask(mask_mod, b, h, q, kv, shape) -> np.ndarray:
     """``mask_mod(b, h, q, kv)`` broadcast to ``shape``, checked: a bool array (a view may be read-only)."""
-    try:
-        keep = mask_mod(b, h, q, kv)
-    except (TypeError, IndexError, ValueError) as exc:
-        raise type(exc)(f"mask_mod {_name(mask_mod)!r} failed on index arrays {b.shape}, {h.shape}, {q.shape}, {kv.shape}: {exc} (mods are called with NumPy index arrays, not ints: use &, |, np.where, not and/or/if)") from None
-    keep = np.asarray(keep)
+    keep = _call_mask(mask_mod, b, h, q, kv)
     if keep.dtype != np.bool_:
         raise TypeError(f"mask_mod {_name(mask_mod)!r} should return a bool array (True = may attend), got dtype {keep.dtype}")
     try:
@@ -123,9 +132,9 @@ def evaluate_score(score_mod, s, b, h, q, kv) -> np.ndarray:
     try:
         out = score_mod(s, b, h, q, kv)
     except (TypeError, IndexError, ValueError) as exc:
-        raise type(exc)(f"score_mod {_name(score_mod)!r} failed on scores {s.shape} with index arrays {b.shape}, {h.shape}, {q.shape}, {kv.shape}: {exc}") from None
+        raise type(exc)(f"score_mod {_name(score_mod)!r} failed on scores {s.shape} with index arrays {b.shape}, {h.shape}, {q.shape}, {kv.shape}: {exc}{_ARRAYS_HINT}") from None
     out = np.asarray(out)
-    if out.dtype.kind not in "fiu" or out.dtype == np.bool_:
+    if not is_real_dtype(out.dtype):
         raise TypeError(f"score_mod {_name(score_mod)!r} should return real scores, got dtype {out.dtype}")
     if out.shape != s.shape:
         try:
@@ -385,7 +394,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 class _Alibi(ScoreMod):
     def __init__(self, slopes, offset):
         s = as_array(slopes, "slopes")
-        if s.dtype.kind not in "fiu" or s.ndim not in (1, 2):
+        if not is_real_dtype(s.dtype) or s.ndim not in (1, 2):
             raise ValueError(f"slopes should be (H,) or (B, H) real numbers, got shape {s.shape} dtype {s.dtype}")
         self.slopes, self.offset = s, check_int(offset, "offset")
         super().__init__(self._forward, name="alibi")
@@ -423,7 +432,7 @@ class _RelativeBias(ScoreMod):
     def __init__(self, table, max_distance):
         t = as_array(table, "table")
         self.max_distance = check_int(max_distance, "max_distance", minimum=0)
-        if t.dtype.kind != "f" or t.ndim != 2 or t.shape[1] != 2 * self.max_distance + 1:
+        if not (t.dtype.kind == "f" or t.dtype.name == "bfloat16") or t.ndim != 2 or t.shape[1] != 2 * self.max_distance + 1:
             raise ValueError(f"table should be (H, 2 * max_distance + 1) = (H, {2 * self.max_distance + 1}) floats, got shape {t.shape} dtype {t.dtype}")
         self.table = t
         super().__init__(self._forward, name="relative_position_bias")
@@ -468,6 +477,106 @@ def tanh_softcap(cap: float) -> ScoreMod:
         return 1 - t * t
 
     return ScoreMod(softcap, derivative, name=f"tanh_softcap({cap:g})")
+
+
+# ------------------------------------------------------------ packed sequences
+
+
+class _Packing:
+    """Packed positions -> (sequence index, position within the sequence), for queries and keys."""
+
+    def __init__(self, cu_seqlens_q, cu_seqlens_k):
+        self.cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
+        self.cu_k = self.cu_q if cu_seqlens_k is None else check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
+        if len(self.cu_q) != len(self.cu_k):
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k should give the same number of sequences, got {len(self.cu_q) - 1} and {len(self.cu_k) - 1}")
+
+    def _local(self, cu, idx):  # -> (sequence, position within it)
+        n = np.clip(np.searchsorted(cu, idx, side="right") - 1, 0, len(cu) - 2)
+        return n, idx - cu[n]
+
+    def indices(self, b, q_idx, kv_idx):
+        """``b`` becomes the query's sequence; positions count from their own sequence's start.
+
+        A key of another sequence gets its own sequence's position: the packing mask hides that
+        pair, and a table indexed by it stays in range."""
+        n, q = self._local(self.cu_q, q_idx)
+        _, kv = self._local(self.cu_k, kv_idx)
+        return np.broadcast_to(n, np.broadcast_shapes(np.shape(b), n.shape)), q, kv
+
+
+class _PerSequenceScore(ScoreMod):
+    def __init__(self, mod, packing):
+        self.mod, self.packing = mod, packing
+        super().__init__(self._forward, name=f"per_sequence({_name(mod)})")
+
+    def _forward(self, score, b, h, q_idx, kv_idx):
+        n, q, kv = self.packing.indices(b, q_idx, kv_idx)
+        return self.mod(score, n, h, q, kv)
+
+    def parameters(self) -> dict:
+        return self.mod.parameters()
+
+    def backward(self, d_out, score, b, h, q_idx, kv_idx, grads):
+        n, q, kv = self.packing.indices(b, q_idx, kv_idx)
+        return self.mod.backward(d_out, score, n, h, q, kv, grads)
+
+
+def per_sequence(mod, cu_seqlens_q, cu_seqlens_k=None, *, kind: str = "score"):
+    """A mod written for one sequence, made right on packed ones (FlashAttention's varlen convention).
+
+    With ``cu_seqlens_q/k`` a mod is called, as in FlexAttention, with
+    *packed* positions and ``b = 0``. Wrapped, it is called instead with
+    ``b`` = the query's sequence index and ``q_idx``/``kv_idx`` counted from
+    the start of their own sequence: a relative-position bias or a prefix
+    mask written for one sequence then acts within each. Pass the same
+    ``cu_seqlens`` as to the attention call.
+
+    Parameters
+    ----------
+    mod : callable or ScoreMod
+        A score mod (``kind="score"``; a :class:`ScoreMod` keeps its
+        derivative and parameters) or a mask mod (``kind="mask"``).
+    cu_seqlens_q : array_like of int, (N + 1,)
+    cu_seqlens_k : array_like of int, (N + 1,), optional
+        Default: ``cu_seqlens_q`` (self-attention).
+    kind : {"score", "mask"}
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import mods, scaled_dot_product_attention as sdpa
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 7, 4))          # (H, total, D): sequences of 3 and 4
+    >>> cu = [0, 3, 7]
+    >>> first_two = lambda b, h, q_idx, kv_idx: kv_idx < 2    # each sequence sees its first 2 keys
+    >>> packed = sdpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, mask_mod=mods.per_sequence(first_two, cu, kind="mask"))
+    >>> alone = [sdpa(q[:, a:b], k[:, a:b], v[:, a:b], mask_mod=first_two) for a, b in ((0, 3), (3, 7))]
+    >>> bool(np.allclose(packed, np.concatenate(alone, axis=1)))
+    True
+    """
+    if not callable(mod):
+        raise TypeError(f"mod should be a callable score or mask mod, got {type(mod).__name__}")
+    if kind not in ("score", "mask"):
+        raise ValueError(f"kind should be 'score' or 'mask', got {kind!r}")
+    packing = _Packing(cu_seqlens_q, cu_seqlens_k)
+    if kind == "mask":
+
+        def per_sequence_mask(b, h, q_idx, kv_idx):
+            n, q, kv = packing.indices(b, q_idx, kv_idx)
+            return mod(n, h, q, kv)
+
+        per_sequence_mask.__name__ = f"per_sequence({_name(mod)})"
+        return per_sequence_mask
+    if isinstance(mod, ScoreMod):
+        return _PerSequenceScore(mod, packing)
+
+    def per_sequence_score(score, b, h, q_idx, kv_idx):
+        n, q, kv = packing.indices(b, q_idx, kv_idx)
+        return mod(score, n, h, q, kv)
+
+    per_sequence_score.__name__ = f"per_sequence({_name(mod)})"
+    return per_sequence_score
 
 
 # ------------------------------------------------------------ block masks
@@ -546,7 +655,7 @@ def _check_shared(mask_mod, shared: list, B: int, H: int, rows: int, S: int) -> 
     for axis, name in ((0, "b"), (1, "h")):
         if name in shared and not np.array_equal(np.take(out, 0, axis=axis), np.take(out, 1, axis=axis)):
             what = "B" if name == "b" else "H"
-            raise ValueError(f"mask_mod {getattr(mask_mod, '__name__', 'mask_mod')!r} depends on {name} (its mask differs at {name}=0 and {name}=1) but {what}=None says it does not: pass {what}=the real count")
+            raise ValueError(f"mask_mod {_name(mask_mod)!r} depends on {name} (its mask differs at {name}=0 and {name}=1) but {what}=None says it does not: pass {what}=the real count")
 
 
 def create_block_mask(mask_mod, B: int | None, H: int | None, L: int, S: int, *, block=128) -> BlockMask:
@@ -592,7 +701,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, L: int, S: int, *,
         _check_shared(mask_mod, shared, B, H, min(L, bq), S)
     nq, nk = -(-L // bq), -(-S // bk)
     # Which of b and h the mask depends on: its output on one row of tiles keeps the axes it uses.
-    probe = np.asarray(mask_mod(*index_grids(B, range(H), range(min(L, bq)), range(S))))
+    probe = _call_mask(mask_mod, *index_grids(B, range(H), range(min(L, bq)), range(S)))
     shape = (B, H, L, S)
     B = B if probe.ndim >= 4 and probe.shape[-4] == B else 1
     H = H if probe.ndim >= 3 and probe.shape[-3] == H else 1

@@ -20,7 +20,8 @@ mask mod and per-row offsets here: each sequence sees only its own keys,
 with causal and window limits and ALiBi distances aligned to its own end.
 
 Index arrays are those of :mod:`qkv.mods`: ``b`` the flat batch index, ``h``
-the query head, ``q``/``kv`` positions (packed positions for packed input).
+the query head, ``q``/``kv`` positions (packed positions for packed input;
+:func:`qkv.mods.per_sequence` gives a mod positions within each sequence).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import mods as _mods
-from ._checks import as_array, check_broadcast, check_int, check_real, check_representable, is_real_dtype
+from ._checks import as_array, check_broadcast, check_cu_seqlens, check_int, check_int_vector, check_real, check_representable, is_real_dtype
 
 __all__ = ["Variants", "prepare", "packed_offsets"]
 
@@ -187,27 +188,6 @@ def _add(s, x):
 # ------------------------------------------------------------ checking the keywords
 
 
-def _int_vector(x, name: str) -> np.ndarray:
-    arr = as_array(x, name)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"{name} should be a 1-D array of integers, got shape {arr.shape} dtype {arr.dtype}")
-    return arr.astype(np.int64)
-
-
-def _cu_seqlens(x, name: str, total: int) -> np.ndarray:
-    cu = _int_vector(x, name)
-    if len(cu) < 2:
-        raise ValueError(f"{name} should have at least 2 entries (0 and the total), got {cu.tolist()}")
-    if cu[0] != 0:
-        raise ValueError(f"{name} should start at 0, got {int(cu[0])}")
-    if np.any(np.diff(cu) < 0):
-        i = int(np.argmax(np.diff(cu) < 0))
-        raise ValueError(f"{name} should never decrease, got {int(cu[i])} then {int(cu[i + 1])} at entries {i}, {i + 1}")
-    if cu[-1] != total:
-        raise ValueError(f"{name} should end at the total length {total} (the packed axis), got {int(cu[-1])}")
-    return cu
-
-
 def packed_offsets(cu_seqlens_q, cu_seqlens_k, Lq: int, Sk: int):
     """For packed sequences: each query's and key's sequence, and each query's offset to bottom-right alignment.
 
@@ -219,8 +199,8 @@ def packed_offsets(cu_seqlens_q, cu_seqlens_k, Lq: int, Sk: int):
     >>> doc_q.tolist(), doc_k.tolist(), off.tolist()
     ([0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [1, 1, 0, 0, 0])
     """
-    cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Lq)
-    ck = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Sk)
+    cq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Lq)
+    ck = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Sk)
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k should give the same number of sequences, got {len(cq) - 1} and {len(ck) - 1}")
     doc_q = np.searchsorted(cq, np.arange(Lq), side="right") - 1
@@ -309,8 +289,8 @@ def prepare(*, batch: tuple, Hk: int, G: int, L: int, S: int, compute_dtype, win
         if len(batch) != 1:
             raise ValueError(f"query_seq_lengths/key_value_seq_lengths need one batch dim, (B, H, L, D); got batch dims {batch}")
         B = batch[0]
-        ql = np.full(B, L, np.int64) if query_seq_lengths is None else _int_vector(query_seq_lengths, "query_seq_lengths")
-        kl = np.full(B, S, np.int64) if key_value_seq_lengths is None else _int_vector(key_value_seq_lengths, "key_value_seq_lengths")
+        ql = np.full(B, L, np.int64) if query_seq_lengths is None else check_int_vector(query_seq_lengths, "query_seq_lengths")
+        kl = np.full(B, S, np.int64) if key_value_seq_lengths is None else check_int_vector(key_value_seq_lengths, "key_value_seq_lengths")
         for name, n, top in (("query_seq_lengths", ql, L), ("key_value_seq_lengths", kl, S)):
             if n.shape != (B,):
                 raise ValueError(f"{name} should have one length per batch entry, ({B},), got shape {n.shape}")

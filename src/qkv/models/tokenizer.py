@@ -173,6 +173,8 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
     if model not in ("llama", "gpt2"):
         raise ModelError(f"{source}: tokenizer.ggml.model {model!r} is not supported (qkv reads SentencePiece 'llama' and byte-level BPE 'gpt2' vocabularies)")
     tokens = list(gguf.field("tokenizer.ggml.tokens", required=True))
+    if not tokens:
+        raise ModelError(f"{source}: tokenizer.ggml.tokens is empty: the file has no vocabulary to encode text with")
     types = gguf.field("tokenizer.ggml.token_type")
     if types is None or len(types) != len(tokens):
         raise ModelError(f"{source}: tokenizer.ggml.token_type should list one type per token ({len(tokens)})")
@@ -234,6 +236,9 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
             left, sep, right = str(m).partition(" ")
             if not sep or not left or not right:
                 raise ModelError(f"{source}: tokenizer.ggml.merges entry {m!r} should be two tokens separated by a space")
+            for part in (left, right, left + right):
+                if part not in vocab:  # tokenizers would refuse it at the first encode, with no file named
+                    raise ModelError(f"{source}: tokenizer.ggml.merges entry {m!r} makes or uses {part!r}, which is not in tokenizer.ggml.tokens")
             pairs.append((left, right))
         pre = str(gguf.field("tokenizer.ggml.pre", "default"))
         if pre not in BPE_SPLITS:

@@ -272,6 +272,49 @@ def test_attention_command_draws_cross_attention(torch, tmp_path):
     assert r.returncode == 2 and "--target and --kind need an encoder-decoder --model" in r.stderr
 
 
+def test_generate_command_runs_an_encoder_decoder_as_transformers_does(torch, tmp_path):
+    """qkv generate SOURCE --model DIR [--num-beams N ...]: the target transformers' generate gives."""
+    import json as js
+    import os
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model, d = _tiny_t5(torch, tmp_path, decoder_layers=2, eos_gain=1.5)  # transformers' generate sizes its cache by num_layers
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "qkv", "generate", *args], capture_output=True, text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})
+
+    source = "w5 w9 w12 w7 w30"
+    src = tok.encode(source).ids
+    lengths = set()
+    for options in ([], ["--num-beams", "3"], ["--num-beams", "4", "--length-penalty", "-0.5", "--early-stopping"]):
+        r = run(source, "--model", str(d), "--max-new-tokens", "10", "--json", *options)
+        assert r.returncode == 0, r.stderr
+        got = js.loads(r.stdout)
+        beams = int(options[1]) if options else 1
+        extra = dict(length_penalty=-0.5, early_stopping=True) if "--early-stopping" in options else {}
+        with torch.no_grad():
+            want = model.generate(torch.tensor([src]), max_new_tokens=10, num_beams=beams, do_sample=False, **extra)[0, 1:].tolist()
+        n = len(got["token_ids"])
+        assert got["token_ids"] == want[:n] and all(t == 0 for t in want[n:]), (options, got, want)  # transformers pads finished beams
+        assert got["source_ids"] == src and got["num_beams"] == beams and got["text"] == tok.decode(got["token_ids"])
+        lengths.add(n)
+    assert len(lengths) >= 2  # the options changed the answer: the comparison means something
+    r = run(source, "--model", str(d), "--num-beams", "2")
+    assert r.returncode == 0 and r.stdout.strip() and "2 beams, score" in r.stderr
+    r = run(source, "--model", str(d), "--temperature", "0.7")
+    assert r.returncode == 2 and "--temperature: not for an encoder-decoder --model" in r.stderr
+    r = run(source, "--model", str(d), "--num-beams", "1000")
+    assert r.returncode == 2 and "num_beams should be at most 256" in r.stderr
+    r = run("hi", "--num-beams", "3")  # the default causal LM: no beam search
+    assert r.returncode == 2 and "--num-beams: beam search is for an encoder-decoder --model" in r.stderr
+
+
 # ------------------------------------------------------------------ Whisper
 
 

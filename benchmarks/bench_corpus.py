@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     from sentence_transformers import SentenceTransformer
 
     from qkv.models import default_model_dir, embed_file, load_model
-    from qkv.models.cluster import embed_corpus
+    from qkv.models.corpus.cluster import embed_corpus
 
     torch.set_num_threads(threads)
     rows = []

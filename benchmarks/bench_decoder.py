@@ -243,8 +243,8 @@ def main(argv=None) -> int:
         child(args.child, int(args.threads), json.loads(args.prompt_ids))
         return 0
     from qkv.models import default_causal_lm_path
-    from qkv.models import tokenizer as tk
-    from qkv.models.gguf_file import GGUFFile
+    from qkv.models.formats import tokenizer as tk
+    from qkv.models.formats.gguf import GGUFFile
 
     g = GGUFFile(default_causal_lm_path())
     prompt = tk.from_gguf(g, source="gemma").encode(PROMPT)

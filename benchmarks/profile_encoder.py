@@ -4,7 +4,7 @@ Run:  python benchmarks/profile_encoder.py [--lines 1000] [--repeat 3]
 
 ``SentenceEncoder.encode`` on ``--lines`` lines of the corpus benchmark (3 to 60 words,
 fixed seed), 2 threads (the model's default workers), the best of ``--repeat`` runs. Each
-layer's three stages are timed (``qkv.models.bert._stage``; where each worker takes its share of
+layer's three stages are timed (``qkv.models.engines.bert._stage``; where each worker takes its share of
 a batch through every layer, a stage's time in a worker counts as 1/workers of the machine's):
 
 - project: the fused query/key/value products of the real tokens;
@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
-    import qkv.models.bert as bert
+    import qkv.models.engines.bert as bert
     from qkv.models import load_model
 
     encoder = load_model()

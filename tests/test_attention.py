@@ -182,7 +182,7 @@ def test_dropout_is_seeded_inverted_and_rng_required():
 
 
 def test_dropout_pattern_is_uniform_at_rate_p():
-    from qkv.attention import dropout_keep
+    from qkv.dropout import dropout_keep
 
     keep = dropout_keep(np.uint64(12345), np.arange(200_000, dtype=np.uint64), 0.25)
     assert abs(keep.mean() - 0.75) < 0.005  # binomial sd ~ 0.001

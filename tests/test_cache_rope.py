@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from qkv import KVCache, apply_rope, scaled_dot_product_attention as sdpa
 from qkv.cache import LayerCache
-from qkv.models.functional import rms_norm, silu
-from qkv.models.sampling import next_token
+from qkv.models.engines.functional import rms_norm, silu
+from qkv.models.engines.sampling import next_token
 from qkv.rope import rope_angles, rope_frequencies
 
 from conftest import to_np
@@ -197,7 +197,7 @@ def test_rms_norm_and_silu_equal_torch(torch):
     np.testing.assert_allclose(s, to_np(torch.nn.functional.silu(torch.tensor(x))), rtol=2e-6, atol=1e-6)
     big = np.array([-1000.0, -100.0, 0.0, 100.0], np.float32)
     np.testing.assert_array_equal(silu(big), to_np(torch.nn.functional.silu(torch.tensor(big))))
-    from qkv.models.functional import gelu_tanh
+    from qkv.models.engines.functional import gelu_tanh
 
     g = gelu_tanh(x)  # computed as x / (1 + exp(-2z)): the same function as torch's 0.5 x (1 + tanh z)
     assert g.dtype == np.float32

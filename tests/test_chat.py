@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qkv.models import ModelError, load_causal_lm
-from qkv.models.chat import GEMMA_TEMPLATE, ChatTemplate
+from qkv.models.formats.chat import GEMMA_TEMPLATE, ChatTemplate
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -107,7 +107,7 @@ def test_repetition_penalty_and_min_p_follow_transformers(torch):
     """The logits processors against transformers' own, on random logits and histories."""
     from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-    from qkv.models.sampling import next_token, penalize
+    from qkv.models.engines.sampling import next_token, penalize
 
     rng = np.random.default_rng(0)
     for _ in range(20):

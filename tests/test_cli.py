@@ -283,7 +283,7 @@ def test_long_text_output_is_proportionate_and_tables_align():
     short = run("demo", "the cat sat because 日本語 was ok.", "--causal", "--no-plots")
     tables = [block.strip("\n").splitlines()[1:] for block in short.stdout.split("\nhead ")[1:]]
     assert len(tables) == 4 and all(len(t) == 1 + 8 for t in tables)  # header + 8 token rows
-    from qkv.cli import _width
+    from qkv.cli.common import _width
 
     for lines in tables:
         widths = {_width(line) for line in lines}

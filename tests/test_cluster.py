@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qkv.models import embed_file, load_model
-from qkv.models.cluster import embed_corpus
+from qkv.models.corpus.cluster import embed_corpus
 
 from test_corpus import blank_rows_zero, corpus_lines, write
 

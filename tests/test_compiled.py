@@ -179,7 +179,7 @@ ACTS = {"gelu": ("gelu", {}), "gelu_new": ("gelu", {"approximate": "tanh"}), "si
 @pytest.mark.parametrize("name", sorted(ACTS))
 def test_compiled_activation_matches_torch_and_numpy(torch, monkeypatch, name, dtype):
     """The fused activation (chunks of 1,024 and a ragged end) against torch in float64 and the NumPy passes."""
-    from qkv.models.functional import ACTIVATIONS
+    from qkv.models.engines.functional import ACTIVATIONS
 
     rng = np.random.default_rng(7)
     x = np.concatenate([np.linspace(-30, 30, 6001), 4 * rng.standard_normal(3001), [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 800.0, -800.0]]).astype(dtype)
@@ -200,7 +200,7 @@ def test_compiled_activation_matches_torch_and_numpy(torch, monkeypatch, name, d
 
 @pytest.mark.parametrize("name", sorted(ACTS))
 def test_compiled_activation_keeps_nan_and_takes_the_numpy_route_off_contiguous(monkeypatch, name):
-    from qkv.models.functional import ACTIVATIONS
+    from qkv.models.engines.functional import ACTIVATIONS
 
     monkeypatch.setattr(flash, "KERNEL", "numba")
     x = np.array([np.nan, 1.0, -2.0, np.nan], np.float32)
@@ -218,7 +218,7 @@ def test_compiled_activation_keeps_nan_and_takes_the_numpy_route_off_contiguous(
 def test_compiled_layer_norm_matches_torch_and_numpy(torch, monkeypatch, dtype):
     """The compiled LayerNorm (rows summed in float64) against torch in float64 and the NumPy passes:
     rows with a large offset (cancellation), a constant row, in place and into out=."""
-    from qkv.models.functional import layer_norm
+    from qkv.models.engines.functional import layer_norm
 
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((2, 37, 384)) * rng.uniform(0.1, 10, (2, 37, 1)) + rng.uniform(-1000, 1000, (2, 37, 1))).astype(dtype)
@@ -247,8 +247,7 @@ def test_compiled_layer_norm_matches_torch_and_numpy(torch, monkeypatch, dtype):
 
 
 def test_compiled_layer_norm_takes_the_numpy_route_where_it_does_not_apply(monkeypatch):
-    from qkv.models import functional
-
+    from qkv.models.engines import functional
     monkeypatch.setattr(flash, "KERNEL", "numba")
     x = np.arange(24, dtype=np.float32).reshape(4, 6)
     w, b = np.ones(6, np.float32), np.zeros(6, np.float32)
@@ -272,8 +271,8 @@ def test_add_layer_norm_is_layer_norm_of_the_sum(torch, monkeypatch, dtype, kern
     """add_layer_norm(x, shift, residual) against torch's LayerNorm of (x + shift) + residual in
     float64; the sum rounded exactly as the two NumPy additions (then the same LayerNorm
     bit for bit); in place, into the residual, and bad shapes refused."""
-    from qkv.models import functional
-    from qkv.models.functional import add_layer_norm, layer_norm
+    from qkv.models.engines import functional
+    from qkv.models.engines.functional import add_layer_norm, layer_norm
 
     rng = np.random.default_rng(4)
     x = (rng.standard_normal((3, 29, 384)) * rng.uniform(0.1, 10, (3, 29, 1)) + rng.uniform(-500, 500, (3, 29, 1))).astype(dtype)

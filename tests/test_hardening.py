@@ -10,7 +10,7 @@ import pytest
 
 import gguf_writer
 from qkv.models import ModelError, load_causal_lm
-from qkv.models.chat import MAX_RENDER_CHARS, RENDER_SECONDS, ChatTemplate
+from qkv.models.formats.chat import MAX_RENDER_CHARS, RENDER_SECONDS, ChatTemplate
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -177,7 +177,8 @@ def test_no_exception_reaches_the_user_as_a_traceback(exc, code, match, monkeypa
 
 @pytest.mark.parametrize("given, want", [(r"\n", "\n"), (r"\n\nQ:", "\n\nQ:"), (r"\t|\r", "\t|\r"), (r"\\n", "\\n"), (r"\x41\"", 'A"'), (r"C:\path", "C:\\path"), ("é\\n", "é\n")])
 def test_stop_takes_escapes_as_llama_cpp_does(given, want):
-    from qkv.cli import build_parser, _sampling
+    from qkv.cli import build_parser
+    from qkv.cli.generate import _sampling
 
     args = build_parser().parse_args(["generate", "hi", "--stop", given])
     assert _sampling(args)["stop"] == [want]
@@ -262,7 +263,7 @@ def _nest(depth):
     ([("deep", 9, _nest(9))] + LLAMA_KEYS, None, "metadata 'deep' nests arrays more than 8 deep"),
 ])  # fmt: skip
 def test_a_corrupt_gguf_layout_is_refused_by_name(metadata, tensors, match, tmp_path):
-    from qkv.models.gguf_file import GGUFFile
+    from qkv.models.formats.gguf import GGUFFile
 
     path = raw_gguf(tmp_path / "bad.gguf", metadata, *(() if tensors is None else (tensors,)))
     with pytest.raises(ModelError, match="bad.gguf: " + match):
@@ -270,7 +271,7 @@ def test_a_corrupt_gguf_layout_is_refused_by_name(metadata, tensors, match, tmp_
 
 
 def test_metadata_nested_thousands_deep_is_no_recursion_error(tmp_path):
-    from qkv.models.gguf_file import GGUFFile
+    from qkv.models.formats.gguf import GGUFFile
 
     import struct
 
@@ -329,7 +330,7 @@ class _Fields:
     (dict(tokens=[], types=[], merges=[]), r"tokenizer.ggml.tokens is empty"),
 ])  # fmt: skip
 def test_a_vocabulary_that_cannot_encode_is_refused_at_load(change, match):
-    from qkv.models.tokenizer import from_gguf
+    from qkv.models.formats.tokenizer import from_gguf
 
     fields = dict(tokens=["a", "b", "ab"], token_type=[1, 1, 1], merges=["a b"]) | {("token_type" if k == "types" else k): v for k, v in change.items()}
     gguf = _Fields(tokenizer__ggml__model="gpt2", **{f"tokenizer__ggml__{k}": v for k, v in fields.items()})
@@ -357,7 +358,7 @@ def tiny_q8(torch, tmp_path_factory):
 ])  # fmt: skip
 @pytest.mark.parametrize("keep_quantized", [True, False])
 def test_nan_or_inf_weights_are_refused_by_name_not_decoded_to_text(tensor, at, value, keep_quantized, tiny_q8, tmp_path):
-    from qkv.models.gguf_file import GGUFFile
+    from qkv.models.formats.gguf import GGUFFile
 
     assert load_causal_lm(tiny_q8, keep_quantized=keep_quantized).generate("the", max_new_tokens=2).token_ids
     g = GGUFFile(tiny_q8)
@@ -566,7 +567,7 @@ def test_a_ragged_batch_says_so(tiny_t5):
 def test_a_truncated_wav_names_the_path(tmp_path):
     import wave
 
-    from qkv.models.whisper import read_wav
+    from qkv.models.families.whisper import read_wav
 
     with wave.open(str(tmp_path / "a.wav"), "wb") as w:
         w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(b"\x01\x00" * 16000)
@@ -605,8 +606,7 @@ def test_without_the_compiled_kernels_products_fall_back_and_say_so_once(monkeyp
     from gguf.quants import quantize
 
     import qkv.flash
-    from qkv.models import quants
-
+    from qkv.models.formats import quants
     monkeypatch.setattr(qkv.flash, "compiled_available", lambda: False)
     monkeypatch.setattr(qkv.flash, "KERNEL", "numpy")
     monkeypatch.setattr(quants, "_told", [])

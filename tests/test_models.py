@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from qkv.models import ModelError, default_model_dir, load_model  # noqa: E402
-from qkv.models.functional import erf, gelu, gelu_tanh  # noqa: E402
+from qkv.models.engines.functional import erf, gelu, gelu_tanh  # noqa: E402
 
 SENTENCES = [
     "",
@@ -364,8 +364,7 @@ def test_no_torch_import_in_library():
 def test_workers_split_a_batch_into_runs_of_whole_sequences():
     """Each worker runs whole sequences through the whole encoder: the runs cover the batch in
     order, one per worker at most, with about equal work."""
-    from qkv.models import bert
-
+    from qkv.models.engines import bert
     model = bert.BertModel.__new__(bert.BertModel)
     _parts = model.shares
     rng = np.random.default_rng(0)

@@ -4,7 +4,7 @@ against dequantize-then-float32 (to rounding), on random blocks with extreme sca
 import numpy as np
 import pytest
 
-from qkv.models.quants import BLOCKS, SUPPORTED, QuantizedMatrix, StackedMatrix, dequantize_rows, stack
+from qkv.models.formats.quants import BLOCKS, SUPPORTED, QuantizedMatrix, StackedMatrix, dequantize_rows, stack
 
 KERNELS = ["numpy", "numba"]
 
@@ -137,8 +137,8 @@ def test_the_real_file_kept_quantized_follows_its_dequantized_twin(gemma_pair):
 
 def test_gguf_tokenizers_are_cached_and_read_back_the_same(tmp_path, monkeypatch):
     """The vocabulary's tokenizer is built once per vocabulary and read back from qkv's cache after."""
-    from qkv.models import load_causal_lm, tokenizer
-
+    from qkv.models import load_causal_lm
+    from qkv.models.formats import tokenizer
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
     first = load_causal_lm().tokenizer
     assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 1

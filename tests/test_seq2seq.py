@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qkv.models import ModelError, load_seq2seq_lm
-from qkv.models.seq2seq import t5_buckets
+from qkv.models.engines.seq2seq import t5_buckets
 
 V = 64
 
@@ -331,7 +331,7 @@ def test_log_mel_equals_whisper_feature_extractor(kind):
     float32: up to 6e-5 away from both)."""
     from transformers import WhisperFeatureExtractor
 
-    from qkv.models.whisper import log_mel_spectrogram
+    from qkv.models.families.whisper import log_mel_spectrogram
 
     audio = _audio()[kind]
     for n_mels in (80, 128):
@@ -345,7 +345,7 @@ def test_log_mel_equals_whisper_feature_extractor(kind):
 
 
 def test_log_mel_refuses_what_whisper_cannot_hear():
-    from qkv.models.whisper import log_mel_spectrogram
+    from qkv.models.families.whisper import log_mel_spectrogram
 
     with pytest.raises(ValueError, match="sampling_rate should be 16000 .*resample it first.*got 44100"):
         log_mel_spectrogram(np.zeros(44_100), sampling_rate=44_100)
@@ -386,7 +386,7 @@ def _tiny_whisper(torch, tmp_path, gain=6.0, spread=1.0):
 
 
 def test_whisper_equals_transformers(torch, tmp_path):
-    from qkv.models.whisper import WhisperLM
+    from qkv.models.families.whisper import WhisperLM
 
     model, d = _tiny_whisper(torch, tmp_path)
     lm = load_seq2seq_lm(d)
@@ -429,7 +429,7 @@ def test_whisper_reads_a_wav_and_the_attention_command_draws_it(torch, tmp_path)
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from qkv.models.whisper import read_wav
+    from qkv.models.families.whisper import read_wav
 
     _, d = _tiny_whisper(torch, tmp_path)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w2"))

@@ -28,7 +28,9 @@ go in ``bias=``. The functional core puts heads before the sequence,
 
 from . import masks, mods
 from .cache import KVCache, PagedKVCache
-from .attention import AttentionGrads, attention_weights, memory_estimate, merge_attention, scaled_dot_product_attention, scaled_dot_product_attention_vjp
+from .attention import attention_weights, merge_attention, scaled_dot_product_attention
+from .attention_vjp import AttentionGrads, scaled_dot_product_attention_vjp
+from .paths import memory_estimate
 from .heads import merge_heads, split_heads
 from .layers import AttentionTrace, MultiHeadAttention
 from .positional import sinusoidal_position_encoding

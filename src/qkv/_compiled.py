@@ -413,11 +413,11 @@ def exp_into(x, out, ys, bits, factors):  # (n,), (n,), (n,), (n,) ints, the sam
     return _scale_sum(out, ys, factors)
 
 
-# Activations, fused: the models' ``qkv.models.functional`` uses these in place of its NumPy
+# Activations, fused: the models' ``qkv.models.engines.functional`` uses these in place of its NumPy
 # passes (about 16 passes over a (tokens, F) array for the exact GELU) where numba is installed.
 # One vectorised loop: the exponential's two parts, its power of two turned into a float in a
 # register (``_float_from_bits``), then the rest of the formula. The formulas are the NumPy ones
-# of ``qkv.models.functional``.
+# of ``qkv.models.engines.functional``.
 
 _ERF_P = 0.3275911 / math.sqrt(2)  # A&S 7.1.26's p, for erfc(|x| / sqrt 2)
 _ERF_A = tuple(0.5 * c for c in (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429))  # the 0.5 of Phi folded in
@@ -452,7 +452,7 @@ def _exp(x):  # x <= 0 (or any x in the supported range) -> exp(x): the step's p
 def _activation(x, kind):  # x (N,) in place: 0 exact GELU, 1 tanh GELU, 2 SiLU
     dt = x.dtype.type
     one, zero = dt(1), dt(0)
-    if kind == 0:  # gelu(x) = max(x, 0) - |x| q, q = 1 - Phi(|x|) (see qkv.models.functional)
+    if kind == 0:  # gelu(x) = max(x, 0) - |x| q, q = 1 - Phi(|x|) (see qkv.models.engines.functional)
         for j in range(x.shape[0]):
             v = x[j]
             a = abs(v)

@@ -7,7 +7,11 @@ Shared by the direct path (:mod:`qkv.attention`) and the tiled path
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from ._checks import as_rng, check_real
 
 __all__ = ["dropout_keep"]
 
@@ -40,3 +44,43 @@ def dropout_keep(key, index: np.ndarray, dropout_p: float) -> np.ndarray:
         z ^= z >> np.uint64(31)
     u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)  # uniform in [0, 1)
     return u >= dropout_p
+
+
+# The direct path's dropout: a key drawn from the rng, then the same pattern as the tiled path.
+def _need_rng(rng):
+    if rng is None:
+        raise ValueError("rng is required when dropout_p > 0 (an int seed or a numpy.random.Generator)")
+    return rng
+
+
+def _dropout_key(rng) -> np.uint64:
+    """One 64-bit key from ``rng`` (an int seed or a Generator): the whole call's dropout pattern."""
+    return as_rng(rng).integers(0, 2**64, dtype=np.uint64)
+
+
+def _dropout_factor(shape: tuple, key, dropout_p: float, dtype: np.dtype) -> np.ndarray:
+    """Inverted dropout over weights of ``shape`` (..., Hq, L, S): 1/(1-p) where kept, 0 where dropped.
+
+    Each weight's index is its flat position in C order, as the tiled path numbers it.
+    """
+    index = np.arange(math.prod(shape), dtype=np.uint64).reshape(shape)
+    scale = dtype.type(0 if dropout_p >= 1 else 1.0 / (1.0 - dropout_p))
+    return np.where(dropout_keep(key, index, dropout_p), scale, dtype.type(0))
+
+
+def _apply_dropout(weights: np.ndarray, factor: np.ndarray) -> np.ndarray:
+    """``weights * factor`` where kept, exactly 0 where dropped (even under a NaN weight)."""
+    return np.where(factor > 0, weights * factor, 0).astype(weights.dtype, copy=False)
+
+
+def _dropout(weights: np.ndarray, p: _Problem, dropout_p: float, rng) -> np.ndarray:
+    if dropout_p == 0.0:
+        return weights
+    key = _dropout_key(_need_rng(rng))
+    if dropout_p == 1.0:
+        return np.zeros_like(weights)
+    return _apply_dropout(weights, _dropout_factor(weights.shape, key, dropout_p, weights.dtype))
+
+
+def _check_dropout(dropout_p) -> float:
+    return check_real(dropout_p, "dropout_p", minimum=0.0, maximum=1.0)

@@ -492,7 +492,7 @@ def _mod_keep(var, idx, G, n, m, partial):
 
 
 def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int | None = None, block_q: int | None = None, block_k: int | None = None, kernel: str | None = None):
-    """Attention of a prepared problem (see ``qkv.attention._prepare``) by key blocks.
+    """Attention of a prepared problem (see ``qkv.problem._prepare``) by key blocks.
 
     ``kernel`` picks the block step ("numpy" or "numba"; default ``KERNEL``).
     With variants (``p.variants``: softcap, ALiBi, a score mod, a mask mod,
@@ -663,7 +663,7 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
 
     Parameters
     ----------
-    p : the prepared problem of the forward (``qkv.attention._prepare``)
+    p : the prepared problem of the forward (``qkv.problem._prepare``)
     out, lse : ndarray, (..., Hk, G, L, Dv), (..., Hk, G, L)
         What :func:`tiled_attention` returned.
     d_out : ndarray, (..., Hk, G, L, Dv)

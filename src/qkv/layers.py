@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._checks import TORCH_ATTENTION_NAMES, as_array, as_rng, check_fits, check_int, pytorch_names
-from .attention import scaled_dot_product_attention, scaled_dot_product_attention_vjp
+from .attention import scaled_dot_product_attention
+from .attention_vjp import scaled_dot_product_attention_vjp
 from .heads import merge_heads, split_heads
 
 __all__ = ["MultiHeadAttention", "AttentionTrace"]

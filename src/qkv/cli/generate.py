@@ -1,0 +1,213 @@
+"""``qkv generate`` and ``qkv chat``: a language model continues a prompt or holds a conversation; an encoder-decoder's target."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .._files import open_input, read_bounded, readline_bounded
+from .common import CLIError, _is_seq2seq, _load, _load_seq2seq, _seq2seq_source, _text
+
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+class _Stream:
+    """Prints new tokens' text as it comes; holds back an incomplete UTF-8 character, and as many
+    characters as could be the start of a stop string (the text is cut before a stop string: it
+    must never have been shown)."""
+
+    def __init__(self, tokenizer, stop=()):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+        self.hold = max((len(x) for x in stop), default=0)  # the token completing a stop string is shown before the check
+
+    def __call__(self, tok: int) -> None:
+        self.ids.append(tok)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a character split over byte tokens: wait for the rest
+            return
+        ready = text[: len(text) - self.hold] if self.hold else text
+        if len(ready) > len(self.shown) and ready.startswith(self.shown):
+            sys.stdout.write(ready[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = ready
+
+    def finish(self, text: str) -> None:
+        """The rest of the final text (which a stop string may have cut), and the line's end."""
+        print(text[len(self.shown) :] if text.startswith(self.shown) else "")
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "0": "\0"}
+
+
+def unescape(text: str) -> str:
+    r"""Backslash escapes in an option, as llama.cpp reads them: ``\n``, ``\t``, ``\r``, ``\\``, ``\'``,
+    ``\"``, ``\0`` and ``\xNN``; any other backslash stays as it is.
+
+    >>> unescape(r"\n\nQ:") == "\n\nQ:", unescape(r"a\x41\\n\q")
+    (True, 'aA\\n\\q')
+    """
+    import re
+
+    def one(m):
+        e = m.group(1)
+        return chr(int(e[1:], 16)) if e[0] == "x" else _ESCAPES[e]
+
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|[ntr\\'\"0])", one, text)
+
+
+def _sampling(args) -> dict:
+    """The sampling options of generate and chat, checked: keyword arguments for CausalLM.generate."""
+    if args.temperature == 0:  # greedy: the sampling options would be ignored
+        for name in ("top_k", "top_p", "min_p", "seed"):
+            if getattr(args, name) is not None:
+                raise CLIError(f"--{name.replace('_', '-')} has no effect with --temperature 0 (greedy decoding); give --temperature > 0 to sample")
+    elif args.seed is None:
+        args.seed = 0
+    for name in ("max_new_tokens", "top_k", "seed"):
+        v = getattr(args, name)
+        if v is not None and v < (1 if name == "top_k" else 0):
+            raise CLIError(f"--{name.replace('_', '-')} should be >= {1 if name == 'top_k' else 0}, got {v}")
+    if not 0 <= args.temperature < float("inf"):
+        raise CLIError(f"--temperature should be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    for name in ("top_p", "min_p"):
+        v = getattr(args, name)
+        if v is not None and not 0 < v <= 1:
+            raise CLIError(f"--{name.replace('_', '-')} should be in (0, 1], got {v}")
+    if not 0 < args.repetition_penalty < float("inf"):
+        raise CLIError(f"--repetition-penalty should be a finite number > 0 (1 = none), got {args.repetition_penalty}")
+    stop = [unescape(x) for x in args.stop or []]
+    if any(not x for x in stop):
+        raise CLIError("--stop should be a non-empty string")
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=stop, seed=args.seed)
+
+
+def _closing_line(out) -> str:
+    t = out.timings
+    rate = "" if t["decode_tokens_per_s"] is None else f"; decode {t['decode_tokens_per_s']:.1f} tokens/s"
+    return f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prefill {t['prompt_tokens']} prompt tokens in {t['prefill_s']:.2f} s{rate}]"
+
+
+def _base_model_note(lm) -> None:
+    """Chatting with a base model: say what to expect, once, on stderr."""
+    if lm.instruction_tuned is False:
+        print(f"qkv: note: {lm.name} carries no chat template: it is a base (pretrained) model, not instruction-tuned, so it "
+              "continues text rather than answering; its turns are written in Gemma's turn format", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _chat_model(lm):
+    if lm.chat_template is None:
+        raise CLIError(f"{lm.name} has no chat template (its file carries none): use qkv generate with plain text")
+
+
+def _generate_seq2seq(args, prompt: str) -> int:
+    """qkv generate with an encoder-decoder --model: the target for SOURCE, greedy or by beam search."""
+    given = [flag for flag, on in (("--chat", args.chat), ("--temperature", args.temperature != 0), ("--repetition-penalty", args.repetition_penalty != 1.0), ("--stop", bool(args.stop)))
+             if on]  # fmt: skip
+    if given:
+        raise CLIError(f"{', '.join(given)}: not for an encoder-decoder --model, which decodes greedily or by beam search (--num-beams, --length-penalty, --early-stopping)")
+    lm = _load_seq2seq(args.model, "generate")
+    src = _seq2seq_source(lm, prompt, "SOURCE")
+    beams = 1 if args.num_beams is None else args.num_beams
+    out = lm.generate(src, max_new_tokens=args.max_new_tokens, num_beams=beams, length_penalty=1.0 if args.length_penalty is None else args.length_penalty, early_stopping=args.early_stopping)
+    if args.json:
+        print(json.dumps({"model": str(args.model), "source": prompt, "num_beams": beams, "text": out.text, "token_ids": out.token_ids, "source_ids": out.source_ids, "stop_reason": out.stop_reason, "score": out.score, "timings": out.timings}))
+        return 0
+    print(out.text)
+    how = "greedy" if beams == 1 else f"{beams} beams, score {out.score:.3f}"
+    print(f"[{out.timings['new_tokens']} tokens, stop: {out.stop_reason}; {how}; {out.timings['seconds']:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    seq2seq = _is_seq2seq(args.model)
+    beam_flags = [f for f, on in (("--num-beams", args.num_beams is not None), ("--length-penalty", args.length_penalty is not None), ("--early-stopping", args.early_stopping)) if on]
+    if beam_flags and not seq2seq:
+        raise CLIError(f"{', '.join(beam_flags)}: beam search is for an encoder-decoder --model (a T5, BART, Marian or Whisper directory); a causal LM decodes greedily or samples (--temperature)")
+    options = _sampling(args)
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise CLIError("give PROMPT or --prompt-file, not both")
+        try:
+            with open_input(args.prompt_file, "--prompt-file") as f:
+                raw = read_bounded(f, f"--prompt-file {args.prompt_file!r}")
+            prompt = _text(raw.decode("utf-8"), "--prompt-file")
+        except UnicodeDecodeError:
+            raise CLIError(f"--prompt-file {args.prompt_file!r} is not valid UTF-8") from None
+        except OSError as exc:
+            raise CLIError(f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror or exc}") from None
+    else:
+        prompt = DEFAULT_PROMPT if args.prompt is None else _text(args.prompt, "PROMPT")
+    if args.system is not None and not args.chat:
+        raise CLIError("--system has no effect without --chat")
+    if seq2seq:
+        return _generate_seq2seq(args, prompt)
+    lm = _load(args.model, "decoder")
+    stream = None if args.json else _Stream(lm.tokenizer, options["stop"])
+    if args.chat:
+        _chat_model(lm)
+        _base_model_note(lm)
+        messages = ([{"role": "system", "content": _text(args.system, "--system")}] if args.system is not None else []) + [{"role": "user", "content": prompt}]
+        out = lm.chat(messages, max_new_tokens=args.max_new_tokens, on_token=stream, **options)  # a template's ModelError: one line, as every ValueError
+    else:
+        if stream is not None:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+        out = lm.generate(prompt, max_new_tokens=args.max_new_tokens, on_token=stream, **options)
+    if args.json:
+        print(json.dumps({"model": lm.name, "prompt": prompt, "chat": args.chat, "text": out.text, "token_ids": out.token_ids, "prompt_ids": out.prompt_ids, "stop_reason": out.stop_reason, "timings": out.timings}))
+        return 0
+    stream.finish(out.text)
+    print(_closing_line(out), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """An interactive conversation: a line a turn, the model's reply streamed; Ctrl-D (end of input) ends it."""
+    options = _sampling(args)
+    lm = _load(args.model, "decoder")
+    _chat_model(lm)
+    _base_model_note(lm)
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    history = [{"role": "system", "content": _text(args.system, "--system")}] if args.system is not None else []
+    if interactive:
+        print(f"qkv: chatting with {lm.name}; a line a turn, /reset to start over, Ctrl-D to end", file=sys.stderr, flush=True)
+    while True:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        raw = readline_bounded(sys.stdin.buffer, "a chat turn")
+        if not raw:  # end of input: Ctrl-D, or the end of a piped conversation
+            if interactive:
+                print()
+            return 0
+        try:
+            line = raw.decode("utf-8").rstrip("\n").rstrip("\r")
+        except UnicodeDecodeError:
+            raise CLIError("a chat turn is not valid UTF-8: type or pipe UTF-8 text") from None
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            history = history[:1] if history and history[0]["role"] == "system" else []
+            print("qkv: conversation cleared", file=sys.stderr, flush=True)
+            continue
+        history.append({"role": "user", "content": _text(line, "a chat turn")})
+        stream = _Stream(lm.tokenizer, options["stop"])
+        if interactive:
+            sys.stdout.write("model> ")
+        out = lm.chat(history, max_new_tokens=args.max_new_tokens, on_token=stream, **options)
+        stream.finish(out.text)
+        print(_closing_line(out), file=sys.stderr, flush=True)
+        history.append({"role": "assistant", "content": out.text})
+
+
+def _add_sampling(p, *, default_tokens: int) -> None:
+    """The generation options generate and chat share."""
+    p.add_argument("--max-new-tokens", type=int, default=default_tokens, help=f"most tokens to add (default {default_tokens}); stops earlier at end of text or turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0, sample")
+    p.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability P (0 < P <= 1)")
+    p.add_argument("--min-p", type=float, help="sample among the tokens at least P times as likely as the most likely one (0 < P <= 1)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1, tokens already seen are made less likely (default 1: none)")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop when the new text contains TEXT (cut before it; escapes as llama.cpp reads them: \\n, \\t, \\xNN, ...); may be given several times")
+    p.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")

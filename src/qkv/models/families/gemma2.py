@@ -1,0 +1,57 @@
+"""Gemma 2: what is peculiar to it (next to Gemma 3, :mod:`.gemma3`).
+
+- Scores soft-capped: ``50 * tanh(s / 50)`` on every attention score
+  (``attn_logit_softcapping``: attention's ``softcap=``), and the final
+  logits ``30 * tanh(z / 30)`` (``final_logit_softcapping``).
+- Sliding-window and full layers alternate (layer ``i`` slides iff ``i`` is
+  even, from ``layer_types``), one RoPE base for all of them.
+- No RMSNorm of query and key heads (Gemma 3 added it); otherwise Gemma 3's
+  block: embeddings scaled by ``sqrt(E)``, four ``1 + w`` RMSNorms a block,
+  GeGLU, scores scaled by ``query_pre_attn_scalar ** -0.5``; the same tensor names.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..engines.decoder import DecoderConfig
+from ..errors import ModelError
+from ..formats import metadata
+from .gemma3 import weights_from_hf
+
+__all__ = ["config_from_hf", "from_hf"]
+
+
+def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
+    """A ``gemma2`` config.json; ``get(key, kind, default)`` reads and checks a field."""
+    m = metadata.from_hf(c, get)
+    n = m.num_layers
+    windows = metadata.layer_windows(c, source, n, m.window, ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+    rp = c.get("rope_parameters") or {}
+    if isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+        raise ModelError(f"{source}: rope type {rp.get('rope_type')!r} is not supported (only 'default')")
+    if get("attention_bias", bool, False):
+        raise ModelError(f"{source}: attention_bias true is not supported for gemma2")
+    if c.get("use_bidirectional_attention"):
+        raise ModelError(f"{source}: use_bidirectional_attention is not supported (qkv runs Gemma 2 as a causal LM)")
+    return DecoderConfig(
+        family="gemma2",
+        vocab_size=get("vocab_size", int),
+        **m.decoder_fields(),
+        activation=get("hidden_activation", str, "gelu_pytorch_tanh"),
+        rope_bases=(m.rope_base,) * n,
+        windows=windows,
+        max_positions=m.max_positions,
+        query_scale=get("query_pre_attn_scalar", float, m.head_dim) ** -0.5,
+        sandwich_norm=True,
+        embed_scale=math.sqrt(m.hidden_size),
+        tie_embeddings=get("tie_word_embeddings", bool, True),
+        final_logit_softcap=get("final_logit_softcapping", float, None),
+        attn_softcap=get("attn_logit_softcapping", float, None),
+    )
+
+
+def from_hf(c: dict, source: str, get, t):
+    """``(DecoderConfig, DecoderWeights)`` of a Hugging Face directory: Gemma 3's tensor names, without q/k norms."""
+    cfg = config_from_hf(c, source, get)
+    return cfg, weights_from_hf(t, cfg)

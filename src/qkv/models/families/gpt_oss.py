@@ -1,0 +1,124 @@
+"""gpt-oss: what is peculiar to it.
+
+- Attention sinks: one learned logit per head (``self_attn.sinks``) joins
+  every row's softmax and is dropped from the output (attention's
+  ``sinks=``): a head can attend to "nothing".
+- A mixture of experts in place of the MLP (:class:`.moe.MoE`): a router
+  with a bias picks ``num_experts_per_tok`` of ``num_local_experts`` experts,
+  each a clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``) with biases.
+- Sliding-window and full layers alternate (``layer_types``); biases on the
+  query, key, value and output projections; plain RMSNorms (``w * x``).
+- RoPE with YaRN frequencies (``rope_type: "yarn"``, factor 32 over 4,096
+  original positions), its attention factor on cos and sin
+  (:func:`qkv.rope.yarn_frequencies`), dims paired as halves.
+
+Tensors as transformers saves them, in float32; the MXFP4-quantized expert
+blocks of the released checkpoints (``*_blocks``, ``*_scales``) are not read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...rope import yarn_frequencies
+from ..engines.decoder import DecoderConfig, DecoderLayer, DecoderWeights
+from ..errors import ModelError
+from ..engines.moe import MoE
+
+__all__ = ["config_from_hf", "weights_from_hf"]
+
+
+def config_from_hf(c: dict, source: str, get):
+    """A ``gpt_oss`` config.json -> ``(DecoderConfig, moe settings)``."""
+    n = get("num_hidden_layers", int)
+    E = get("hidden_size", int)
+    H = get("num_attention_heads", int)
+    D = get("head_dim", int, E // H if H else 0)
+    window = get("sliding_window", int, None)
+    types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ModelError(f"{source}: layer_types should list 'sliding_attention' or 'full_attention' for each of the {n} layers, got {types!r}")
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(rp, dict):
+        raise ModelError(f"{source}: rope_parameters should be an object, got {rp!r}")
+    base = get("rope_theta", float, rp.get("rope_theta", 150000.0))
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    freqs, factor = None, 1.0
+    if kind == "yarn":
+        try:
+            f, factor = yarn_frequencies(D, base, float(rp["factor"]), int(rp["original_max_position_embeddings"]), beta_fast=float(rp.get("beta_fast") or 32),
+                                         beta_slow=float(rp.get("beta_slow") or 1), truncate=bool(rp.get("truncate", True)), attention_factor=rp.get("attention_factor"))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"{source}: rope_parameters for yarn are incomplete or invalid ({exc!r})") from None
+        freqs = tuple(float(x) for x in f)
+    elif kind != "default":
+        raise ModelError(f"{source}: rope type {kind!r} is not supported (only 'default' and 'yarn')")
+    cfg = DecoderConfig(
+        family="gpt_oss",
+        vocab_size=get("vocab_size", int),
+        hidden_size=E,
+        num_layers=n,
+        num_heads=H,
+        num_kv_heads=get("num_key_value_heads", int, H),
+        head_dim=D,
+        intermediate_size=get("intermediate_size", int),
+        norm="rms",
+        norm_eps=get("rms_norm_eps", float, 1e-5),
+        activation="silu",  # unused: the experts' activation is the clamped SwiGLU
+        gated_mlp=True,
+        rope=True,
+        rope_bases=(base,) * n,
+        windows=tuple(window if t == "sliding_attention" else None for t in types),
+        max_positions=None,
+        query_scale=D**-0.5,
+        tie_embeddings=get("tie_word_embeddings", bool, False),
+        rope_frequencies=freqs,
+        rope_attention_factor=float(factor),
+    )
+    experts = get("num_local_experts", int)
+    top_k = get("num_experts_per_tok", int)
+    if top_k > experts:
+        raise ModelError(f"{source}: num_experts_per_tok {top_k} should be at most num_local_experts {experts}")
+    moe = dict(experts=experts, top_k=top_k, alpha=get("swiglu_alpha", float, 1.702), limit=get("swiglu_limit", float, 7.0), bias=get("attention_bias", bool, True))
+    return cfg, moe
+
+
+def weights_from_hf(t, cfg: DecoderConfig, moe: dict):
+    """``(embed, layers, final_norm, lm_head)``; ``t(name, shape)`` reads a tensor."""
+    E, F, D, H, Hk, X = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, moe["experts"]
+    bias = moe["bias"]
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        e = p + "mlp."
+        layers.append(
+            DecoderLayer(
+                attn_norm=(t(p + "input_layernorm.weight", (E,)), None),
+                w_qkv=np.concatenate([t(a + "q_proj.weight", (H * D, E)), t(a + "k_proj.weight", (Hk * D, E)), t(a + "v_proj.weight", (Hk * D, E))]),
+                b_qkv=np.concatenate([t(a + "q_proj.bias", (H * D,)), t(a + "k_proj.bias", (Hk * D,)), t(a + "v_proj.bias", (Hk * D,))]) if bias else None,
+                w_out=t(a + "o_proj.weight", (E, H * D)),
+                b_out=t(a + "o_proj.bias", (E,)) if bias else None,
+                mlp_norm=(t(p + "post_attention_layernorm.weight", (E,)), None),
+                w_up=None,
+                b_up=None,
+                w_down=None,
+                b_down=None,
+                sinks=t(a + "sinks", (H,)),
+                moe=MoE(
+                    (t(e + "router.weight", (X, E)), t(e + "router.bias", (X,))),
+                    (t(e + "experts.gate_up_proj", (X, E, 2 * F)), t(e + "experts.gate_up_proj_bias", (X, 2 * F))),
+                    (t(e + "experts.down_proj", (X, F, E)), t(e + "experts.down_proj_bias", (X, E))),
+                    top_k=moe["top_k"], alpha=moe["alpha"], limit=moe["limit"],
+                ),  # fmt: skip
+            )
+        )
+    embed = t("model.embed_tokens.weight", (cfg.vocab_size, E))
+    head = None if cfg.tie_embeddings else t("lm_head.weight", (cfg.vocab_size, E))
+    return DecoderWeights(embed, layers, (t("model.norm.weight", (E,)), None), lm_head=head)
+
+
+def from_hf(c: dict, source: str, get, t):
+    """``(DecoderConfig, DecoderWeights)`` of a Hugging Face directory."""
+    cfg, moe = config_from_hf(c, source, get)
+    return cfg, weights_from_hf(t, cfg, moe)

@@ -1,0 +1,225 @@
+"""Whisper: an encoder-decoder that listens. What is peculiar to it.
+
+- The source is audio: 30 s at 16 kHz become a log-mel spectrogram, (80, 3000) (128 mel bins in
+  large-v3): a 400-sample Hann window every 160 samples, the power spectrum through Slaney-style mel
+  filters, ``log10``, floored at 8 below its maximum, then ``(x + 4) / 4``
+  (:func:`log_mel_spectrogram`, the same numbers as transformers' ``WhisperFeatureExtractor``).
+- The encoder starts with two convolutions over time (kernel 3, GELU each; the second with stride 2:
+  3,000 frames become 1,500 positions), then a stored position table, then pre-norm layers and a
+  final LayerNorm. The decoder: token embeddings plus a learned position table, pre-norm layers with
+  cross-attention, a final LayerNorm, the LM head tied to the embeddings.
+- Keys have no bias (queries, values and outputs do). OpenAI's code scales queries and keys by
+  D^-1/4 each; transformers scales the queries by D^-1/2: the same scores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ModelError
+from ..engines.functional import ACTIVATIONS
+from . import bart
+from ..engines.seq2seq import Seq2SeqConfig, Seq2SeqLM, Seq2SeqWeights
+
+__all__ = ["SAMPLING_RATE", "CHUNK_SECONDS", "mel_filters", "log_mel_spectrogram", "read_wav", "WhisperLM", "config_from_hf", "weights_from_hf"]
+
+SAMPLING_RATE = 16_000  #: samples a second Whisper was trained on
+CHUNK_SECONDS = 30  #: the encoder hears 30 s at a time
+N_FFT, HOP = 400, 160  #: 25 ms windows every 10 ms
+FRAMES = CHUNK_SECONDS * SAMPLING_RATE // HOP  #: 3,000 spectrogram frames
+
+
+def _hz_to_mel(f):  # Slaney's scale: linear below 1 kHz, logarithmic above
+    f = np.asarray(f, np.float64)
+    return np.where(f >= 1000.0, 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) * (27.0 / np.log(6.4)), 3.0 * f / 200.0)
+
+
+def _mel_to_hz(m):
+    m = np.asarray(m, np.float64)
+    return np.where(m >= 15.0, 1000.0 * np.exp((m - 15.0) * (np.log(6.4) / 27.0)), 200.0 * m / 3.0)
+
+
+def mel_filters(n_mels: int = 80, *, n_fft: int = N_FFT, sampling_rate: int = SAMPLING_RATE) -> np.ndarray:  # -> (n_fft // 2 + 1, n_mels)
+    """Triangular filters at ``n_mels + 2`` points evenly spaced on Slaney's mel scale from 0 to 8 kHz,
+    each scaled to unit area ("slaney" norm), over the FFT's frequency bins; float64.
+
+    >>> w = mel_filters(80)
+    >>> w.shape, bool((w >= 0).all()), int((w.sum(axis=0) > 0).sum())
+    ((201, 80), True, 80)
+    """
+    bins = np.linspace(0, sampling_rate // 2, n_fft // 2 + 1)  # (F,) Hz
+    edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(8000.0), n_mels + 2))  # (n_mels + 2,) Hz
+    slopes = edges[None, :] - bins[:, None]  # (F, n_mels + 2)
+    width = np.diff(edges)
+    down = -slopes[:, :-2] / width[:-1]  # rising edge of each triangle
+    up = slopes[:, 2:] / width[1:]  # falling edge
+    return np.maximum(0.0, np.minimum(down, up)) * (2.0 / (edges[2:] - edges[:-2]))[None, :]
+
+
+def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.ndarray:  # (samples,) -> (n_mels, 3000)
+    """Whisper's input: the log-mel spectrogram of up to 30 s of mono audio at 16 kHz, zero-padded to 30 s.
+
+    Computed in float64 and returned as float32 (transformers' NumPy path stores the FFT in complex64;
+    the two agree to about 1e-7).
+
+    Raises
+    ------
+    ValueError
+        Another sampling rate (Whisper hears 16 kHz: resample first), more than 30 s (cut it into
+        pieces), audio that is not 1-D or not finite.
+
+    Examples
+    --------
+    >>> t = np.arange(16_000) / 16_000
+    >>> x = log_mel_spectrogram(np.sin(2 * np.pi * 440 * t), sampling_rate=16_000)
+    >>> x.shape, x.dtype
+    ((80, 3000), dtype('float32'))
+    """
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)):
+        raise TypeError(f"sampling_rate should be an int (samples a second), got {type(sampling_rate).__name__}")
+    if sampling_rate != SAMPLING_RATE:
+        raise ValueError(f"sampling_rate should be {SAMPLING_RATE} (Whisper hears 16 kHz audio: resample it first), got {sampling_rate}")
+    a = np.asarray(audio)
+    if a.dtype.kind not in "fiu" or a.ndim != 1:
+        raise ValueError(f"audio should be 1-D samples (mono), got dtype {a.dtype} and shape {a.shape}")
+    n = SAMPLING_RATE * CHUNK_SECONDS
+    if a.size > n:
+        raise ValueError(f"audio is {a.size / SAMPLING_RATE:.1f} s, longer than Whisper's {CHUNK_SECONDS} s window: cut it into pieces of at most {n} samples")
+    a = a.astype(np.float64)
+    if not np.isfinite(a).all():
+        raise ValueError("audio should be finite (it has NaN or inf samples)")
+    x = np.zeros(n)
+    x[: a.size] = a
+    x = np.pad(x, N_FFT // 2, mode="reflect")  # centred frames
+    frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP]  # (3001, 400)
+    window = np.hanning(N_FFT + 1)[:-1]  # periodic Hann
+    power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2  # (3001, 201)
+    mel = np.maximum(mel_filters(n_mels).T @ power.T, 1e-10)  # (n_mels, 3001)
+    log = np.log10(mel)[:, :-1]  # (n_mels, 3000): the last frame is dropped, as Whisper does
+    log = np.maximum(log, log.max() - 8.0)
+    return ((log + 4.0) / 4.0).astype(np.float32)
+
+
+def read_wav(path) -> tuple[np.ndarray, int]:  # -> (samples,) float32 in [-1, 1], sampling rate
+    """A PCM ``.wav`` file (8, 16, 24 or 32-bit integers) as mono float samples and its sampling rate, with
+    Python's own ``wave`` module; channels are averaged. Compressed or float WAVs are a ValueError."""
+    import wave
+
+    try:
+        with wave.open(str(path), "rb") as f:
+            rate, channels, width, n = f.getframerate(), f.getnchannels(), f.getsampwidth(), f.getnframes()
+            if n > SAMPLING_RATE * CHUNK_SECONDS * 8:  # bound what is read before reading it
+                raise ValueError(f"{path}: {n / rate:.0f} s of audio is far past Whisper's {CHUNK_SECONDS} s window")
+            data = f.readframes(n)
+    except (wave.Error, EOFError) as exc:
+        raise ValueError(f"{path}: not a PCM WAV file qkv can read ({exc or 'the file ends inside its header'})") from None
+    if len(data) != n * width * channels:
+        raise ValueError(f"{path}: truncated: its header says {n:,} frames, the file holds {len(data) // max(1, width * channels):,}")
+    if width == 3:  # 24-bit: widen each sample to 32 bits
+        b = np.frombuffer(data, np.uint8).reshape(-1, 3)
+        raw = (b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8) | (b[:, 2].astype(np.int8).astype(np.int32) << 16)).astype(np.float64) / 2**23
+    elif width in (1, 2, 4):
+        kind = {1: np.uint8, 2: "<i2", 4: "<i4"}[width]
+        raw = np.frombuffer(data, kind).astype(np.float64)
+        raw = (raw - 128) / 128 if width == 1 else raw / 2 ** (8 * width - 1)
+    else:
+        raise ValueError(f"{path}: {8 * width}-bit samples are not supported")
+    return raw.reshape(-1, channels).mean(axis=1).astype(np.float32), rate
+
+
+def _conv1d(x, w, b, stride: int):  # (B, C_in, T), (C_out, C_in, 3), (C_out,) -> (B, C_out, T')
+    """A kernel-3 convolution over time, padding 1: each output frame is the sum of the three taps'
+    matrix products (no im2col copy of the input)."""
+    B, C, T = x.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1)))
+    T_out = (T - 1) // stride + 1
+    out = np.zeros((B, T_out, w.shape[0]), np.float32)
+    for k in range(3):
+        taps = xp[:, :, k : k + stride * (T_out - 1) + 1 : stride]  # (B, C_in, T')
+        out += taps.swapaxes(1, 2) @ w[:, :, k].T  # (B, T', C_in) @ (C_in, C_out)
+    out += b
+    return out.swapaxes(1, 2)  # (B, C_out, T')
+
+
+class WhisperLM(Seq2SeqLM):
+    """Whisper on qkv's attention: :meth:`encode` takes log-mel features (B, n_mels, 3000) or audio."""
+
+    def __init__(self, config: Seq2SeqConfig, conv: tuple, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.conv1_w, self.conv1_b, self.conv2_w, self.conv2_b = conv
+
+    def features(self, audio, *, sampling_rate: int) -> np.ndarray:
+        """The model's input for ``audio``: (1, n_mels, 3000)."""
+        return log_mel_spectrogram(audio, sampling_rate=sampling_rate, n_mels=self.conv1_w.shape[1])[None]
+
+    def encode(self, input_features, *, attention_mask=None, output_attentions: bool = False):
+        """The encoder's output (B, 1500, E) for log-mel features (B, n_mels, 3000) (or (n_mels, 3000))."""
+        x = np.asarray(input_features, np.float32)
+        if x.ndim == 2:
+            x = x[None]
+        n_mels = self.conv1_w.shape[1]
+        if x.ndim != 3 or x.shape[1] != n_mels or x.shape[2] != FRAMES:
+            raise ValueError(f"input_features shape should be (B, {n_mels}, {FRAMES}) (log_mel_spectrogram of 30 s), got {np.shape(input_features)}")
+        gelu = ACTIVATIONS["gelu"]
+        h = _conv1d(x, self.conv1_w, self.conv1_b, 1)  # (B, E, 3000)
+        h = gelu(h, [np.empty_like(h) for _ in range(3)])
+        h = _conv1d(h, self.conv2_w, self.conv2_b, 2)  # (B, E, 1500): half the frames
+        h = gelu(h, [np.empty_like(h) for _ in range(3)])
+        h = np.ascontiguousarray(h.swapaxes(1, 2))  # (B, 1500, E)
+        h += self.encoder_positions[: h.shape[1]]
+        return self._encoder_stack(h, None, output_attentions)
+
+    def generate(self, source, max_new_tokens: int = 32, *, sampling_rate: int | None = None, **options):
+        """Greedy or beam search (as :meth:`Seq2SeqLM.generate`) for audio (with ``sampling_rate``) or
+        log-mel features; the tokens after the decoder's start token."""
+        feats = self.features(source, sampling_rate=sampling_rate) if sampling_rate is not None else source
+        return super().generate(feats, max_new_tokens, **options)
+
+    def _source(self, source):  # log-mel features go to the encoder as they are: (1, n_mels, 3000)
+        x = np.asarray(source, np.float32)
+        return x[None] if x.ndim == 2 else x
+
+
+def config_from_hf(c: dict, source: str, get) -> Seq2SeqConfig:
+    common = bart.common_fields(source, get)  # Whisper's config is BART's, with audio
+    E = common["hidden_size"]
+    return Seq2SeqConfig(
+        family="whisper",
+        **common,
+        position="learned",
+        decoder_start_token_id=get("decoder_start_token_id", int, 50258),
+        eos_token_id=c.get("eos_token_id", 50257),
+        pad_token_id=c.get("pad_token_id", 50257),
+        pre_norm=True,
+        embed_scale=float(np.sqrt(E)) if get("scale_embedding", bool, False) else 1.0,
+        max_positions=get("max_target_positions", int, 448),
+    )
+
+
+def weights_from_hf(t, cfg: Seq2SeqConfig, c: dict, get):
+    """``(conv, embed, encoder, encoder_norm, decoder, decoder_norm, encoder_positions, decoder_positions)``."""
+    E, F = cfg.hidden_size, cfg.ffn_size
+    n_mels = get("num_mel_bins", int, 80)
+    src_pos = get("max_source_positions", int, 1500)
+    if src_pos * 2 != FRAMES:
+        raise ModelError(f"max_source_positions should be {FRAMES // 2} (30 s of audio), got {src_pos}")
+
+    def norm(name):
+        return t(name + ".weight", (E,)), t(name + ".bias", (E,))
+
+    layer = bart.layer_reader(t, E, F, key_bias=False)  # BART's layers, keys without bias
+    m = "model."
+    conv = (t(m + "encoder.conv1.weight", (E, n_mels, 3)), t(m + "encoder.conv1.bias", (E,)), t(m + "encoder.conv2.weight", (E, E, 3)), t(m + "encoder.conv2.bias", (E,)))
+    encoder = [layer(f"{m}encoder.layers.{i}.", False) for i in range(cfg.encoder_layers)]
+    decoder = [layer(f"{m}decoder.layers.{i}.", True) for i in range(cfg.decoder_layers)]
+    embed = t(m + "decoder.embed_tokens.weight", (cfg.vocab_size, E))
+    enc_pos = t(m + "encoder.embed_positions.weight", (src_pos, E))
+    dec_pos = t(m + "decoder.embed_positions.weight", (cfg.max_positions, E))
+    return conv, embed, encoder, norm(m + "encoder.layer_norm"), decoder, norm(m + "decoder.layer_norm"), enc_pos, dec_pos
+
+
+def from_hf(c: dict, source: str, get, t):
+    """``(Seq2SeqConfig, Seq2SeqWeights)`` of a Hugging Face directory: a :class:`WhisperLM`, its LM head the embeddings."""
+    cfg = config_from_hf(c, source, get)
+    conv, embed, encoder, enc_norm, decoder, dec_norm, enc_pos, dec_pos = weights_from_hf(t, cfg, c, get)
+    return cfg, Seq2SeqWeights(embed, encoder, enc_norm, decoder, dec_norm, model=WhisperLM, extra=(conv,), parts=dict(encoder_positions=enc_pos, decoder_positions=dec_pos))

@@ -1,0 +1,151 @@
+"""Reading a model's files safely: regular files only, JSON of bounded size, one error type.
+
+A model path may be anything a user types: a directory, a FIFO that would
+block forever, a link to ``/dev/zero`` that would read until memory runs
+out, a file without read permission, JSON that is not UTF-8 or not an
+object. Each of these is one :class:`ModelError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import stat
+from pathlib import Path
+
+from ..errors import ModelError
+
+__all__ = ["regular_file", "read_json", "FieldReader", "MAX_JSON_BYTES"]
+
+MAX_JSON_BYTES = 64 << 20  #: config and tokenizer JSON larger than this is not a model's
+
+
+def regular_file(path: Path, what: str = "", *, max_bytes: int | None = None) -> Path:
+    """``path`` if it is a readable regular file (a link to one is fine), else a :class:`ModelError`.
+
+    With ``max_bytes``, a larger file is an error too (a JSON file of a model is never gigabytes).
+    """
+    hint = f" ({what})" if what else ""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ModelError(f"{path}: missing file{hint}") from None
+    except PermissionError:
+        raise ModelError(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{path}: not a regular file{hint}")
+    if not os.access(path, os.R_OK):
+        raise ModelError(f"{path}: permission denied")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise ModelError(f"{path}: larger than {max_bytes >> 20} MiB, not a model's JSON file")
+    return Path(path)
+
+
+def read_json(path: Path, *, want=dict, max_bytes: int = MAX_JSON_BYTES):
+    """Parse a JSON file of a model; the top level must be ``want`` (dict or list)."""
+    path = regular_file(path, max_bytes=max_bytes)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+        text = raw.decode("utf-8")
+        data = json.loads(text)
+    except PermissionError:
+        raise ModelError(f"{path}: permission denied") from None
+    except UnicodeDecodeError as exc:
+        raise ModelError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ModelError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not isinstance(data, want):
+        raise ModelError(f"{path}: should hold a JSON {'object' if want is dict else 'array'}, got {type(data).__name__}")
+    return data
+
+
+_REQUIRED = object()
+
+
+class FieldReader:
+    """Typed access to a config dict: every error names the file and the field.
+
+    ``get(key, int)`` is a required positive integer; ``get(key, float, 1e-6)``
+    an optional finite number; ``bool`` and ``str`` likewise. ``None`` (JSON
+    ``null``) counts as missing.
+    """
+
+    def __init__(self, config: dict, source: str):
+        self.config, self.source = config, source
+
+    def __call__(self, key: str, kind, default=_REQUIRED):
+        v = self.config.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise ModelError(f"{self.source}: missing field {key!r}")
+            return default
+        bad = None
+        if kind is int:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                bad = "a positive integer"
+            elif v < 1:
+                bad = "a positive integer"
+        elif kind is float:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                bad = "a finite number"
+            elif v <= 0:
+                bad = "a positive number"
+        elif kind is bool:
+            if not isinstance(v, bool):
+                bad = "true or false"
+        elif kind is str:
+            if not isinstance(v, str):
+                bad = "a string"
+        if bad:
+            raise ModelError(f"{self.source}: field {key!r} should be {bad}, got {v!r}")
+        return kind(v)
+
+
+class TensorReader:
+    """The tensors of a directory's ``model.safetensors``, each read checked: ``t(name, shape)`` gives it
+    as contiguous float32, or a :class:`ModelError` naming the file and the tensor (missing, misshapen, not
+    floating point). ``used`` collects the names read, so a loader can refuse tensors its model has no
+    place for; ``name in t`` tells whether the file has one.
+    """
+
+    def __init__(self, directory: Path):
+        self.file = regular_file(Path(directory) / "model.safetensors", "qkv reads weights from one model.safetensors")
+        try:
+            from safetensors.numpy import load_file
+        except ImportError:
+            raise ImportError("qkv.models needs safetensors: pip install 'qkv[models]'") from None
+        try:
+            self.weights = load_file(str(self.file))
+        except Exception as exc:  # truncated, foreign, or bf16 (NumPy has no bfloat16)
+            raise ModelError(f"{self.file}: cannot read safetensors ({exc}); qkv needs float32 or float16 tensors") from None
+        self.used: set = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def __call__(self, name: str, shape):
+        import numpy as np
+
+        if name not in self.weights:
+            raise ModelError(f"{self.file}: missing tensor {name!r}")
+        arr = self.weights[name]
+        if tuple(arr.shape) != tuple(shape):
+            raise ModelError(f"{self.file}: tensor {name!r} should have shape {tuple(shape)}, got {tuple(arr.shape)}")
+        if arr.dtype.kind != "f":
+            raise ModelError(f"{self.file}: tensor {name!r} should be floating point, got {arr.dtype}")
+        self.used.add(name)
+        out = np.ascontiguousarray(arr, dtype=np.float32)
+        if not np.isfinite(out).all():  # NaN logits decode to text: refuse the tensor at load, by name
+            raise ModelError(f"{self.file}: tensor {name!r} holds {int((~np.isfinite(out)).sum()):,} NaN or infinite values: the file is corrupt")
+        return out
+
+    def unread(self) -> list:
+        """The file's tensors no ``t(...)`` asked for, sorted."""
+        return sorted(set(self.weights) - self.used)

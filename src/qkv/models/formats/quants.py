@@ -1,0 +1,320 @@
+"""GGUF's quantized weights kept as they are, and the matrix products that read them.
+
+A GGUF file stores most weight matrices in blocks: 32 (or 256) numbers share
+one float16 scale and are stored as 4 to 8 bit integers. Dequantizing them
+all to float32 at load (as qkv did) takes four to eight times the memory and
+reads four to eight times the bytes per token. Here a matrix stays in its
+blocks (:class:`QuantizedMatrix`) and is read by a product that decodes each
+block as it goes (numba, the ``fast`` extra):
+
+- decoding (one token at a time): each output is ``sum_b d_b * sum_j q_bj x_j``
+  over the row's blocks, computed from the integers, in float32 like the
+  activations. The activations stay float32 (llama.cpp quantizes them to int8
+  per block; that moves logits by up to 0.3 on Gemma 3 270M and breaks
+  agreement with transformers, so qkv does not);
+- many tokens at once (a prompt): tiles of rows are decoded to float32 into a
+  reused buffer and multiplied by BLAS.
+
+The reference for both is the plainest one: ``gguf.quants.dequantize`` (the
+format's own reader), then a float32 product. qkv's own decoder gives the same
+floats bit for bit (tests check every supported type, extreme scales
+included); the products agree with the reference to float32 rounding.
+
+Block layouts (bytes per block; ``d``, ``dmin``: float16 scales; values ``q``):
+
+=====  =====  ======  ==================================================
+type   block  bytes   value
+=====  =====  ======  ==================================================
+F16    1      2       float16
+BF16   1      2       bfloat16 (the top half of a float32)
+Q8_0   32     34      d * q, q int8
+Q4_0   32     18      d * (q - 8), q 4 bits
+Q5_0   32     22      d * (q - 16), q 5 bits (4 + 1 from a 32-bit mask)
+Q4_K   256    144     (d * sc_s) * q - dmin * m_s, 8 sub-blocks with 6-bit sc, m
+Q5_K   256    176     the same with 5-bit q
+Q6_K   256    210     (d * sc_s) * (q - 32), 16 sub-blocks with int8 sc, 6-bit q
+=====  =====  ======  ==================================================
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+
+from ..errors import ModelError
+
+__all__ = ["QuantizedMatrix", "StackedMatrix", "stack", "permute_rows", "matmul", "SUPPORTED", "BLOCKS", "dequantize_rows", "kernel_available"]
+
+#: type -> (values a block, bytes a block)
+BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+SUPPORTED = tuple(BLOCKS)
+_CODE = {name: i for i, name in enumerate(SUPPORTED)}
+#: Rows decoded to float32 at once by the product for many tokens (then one BLAS call per tile).
+TILE_ROWS = 256
+#: Up to this many tokens a product reads the blocks directly; more: tiles and BLAS.
+DIRECT_TOKENS = 4
+
+
+def kernel_available() -> bool:
+    """Whether numba (and SciPy) are there for the compiled products (otherwise: dequantize, then NumPy)."""
+    from ...flash import compiled_available
+
+    return compiled_available()
+
+
+_told = []
+
+
+def _say_once_uncompiled() -> None:
+    """Without numba every product dequantizes its whole matrix (about 0.2 tokens/s): said once, with the fix."""
+    if not _told:
+        _told.append(True)
+        import warnings
+
+        warnings.warn("quantized weights are multiplied without numba (dequantized at every product: about 100x slower): pip install 'qkv[fast]'", RuntimeWarning, stacklevel=3)
+
+
+def _scales(raw: np.ndarray, qtype: str):  # (rows, row bytes) -> float32 arrays of the block scales
+    """The float16 scales of every block, as float32 (exact): numba has no float16, and reading
+    them once here spares the products the conversion. (rows, blocks) each."""
+    rows = raw.shape[0]
+    n, size = BLOCKS[qtype]
+    blocks = raw.reshape(rows, -1, size)
+    if qtype in ("F16", "BF16"):
+        return np.zeros((rows, 0), np.float32), np.zeros((rows, 0), np.float32)
+    if qtype == "Q6_K":
+        d = blocks[:, :, 208:210]
+        return np.ascontiguousarray(d).view(np.float16)[..., 0].astype(np.float32), np.zeros((rows, 0), np.float32)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    if qtype in ("Q4_K", "Q5_K"):
+        dmin = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        return d, dmin
+    return d, np.zeros((rows, 0), np.float32)
+
+
+def _check_finite(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray, qtype: str, name: str) -> None:
+    """A NaN or infinite scale (or F16/BF16 value) makes every product it enters NaN, and a model print
+    text decoded from NaN logits: refused here, naming the tensor."""
+    if qtype == "F16":
+        bad = ~np.isfinite(raw.view(np.float16))
+    elif qtype == "BF16":
+        bad = (raw.view(np.uint16) & 0x7F80) == 0x7F80  # exponent all ones: inf or NaN
+    else:
+        bad = ~np.isfinite(d)
+        if dmin.size:
+            bad |= ~np.isfinite(dmin)
+    if bad.any():
+        row = int(np.argwhere(bad)[0][0])
+        what = "values" if qtype in ("F16", "BF16") else "block scales"
+        raise ModelError(f"{name}: {int(bad.sum()):,} {qtype} {what} are NaN or infinite (the first in row {row}): the file is corrupt")
+
+
+class QuantizedMatrix:
+    """A weight matrix of shape (out, in) kept in GGUF blocks: ``x @ W.T`` without a float32 copy of W.
+
+    Parameters
+    ----------
+    raw : ndarray of uint8, shape (out, row bytes)
+        The blocks, row after row, as the file stores them (copied: the file may be closed).
+    qtype : str
+        One of :data:`SUPPORTED`.
+    shape : (int, int)
+        (out, in): rows and values a row.
+    name : str
+        For messages.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from gguf.quants import quantize
+    >>> from gguf import GGMLQuantizationType as T
+    >>> w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    >>> m = QuantizedMatrix(quantize(w, T.Q8_0), "Q8_0", (64, 96))
+    >>> x = np.ones((1, 96), np.float32)
+    >>> bool(np.allclose(m.matmul(x), x @ m.dequantize().T, rtol=1e-5, atol=1e-4)), m.nbytes < w.nbytes / 3
+    (True, True)
+    """
+
+    def __init__(self, raw, qtype: str, shape, *, name: str = "weight"):
+        if qtype not in BLOCKS:
+            raise ModelError(f"{name}: quantization {qtype} is not supported (supported: {', '.join(SUPPORTED)})")
+        out, n_in = (int(s) for s in shape)
+        per, size = BLOCKS[qtype]
+        if n_in % per:
+            raise ModelError(f"{name}: a row of {n_in} values is not a whole number of {qtype} blocks of {per}")
+        raw = np.asarray(raw)
+        if raw.dtype != np.uint8 or raw.size != out * (n_in // per) * size:
+            raise ModelError(f"{name}: {qtype} data of {raw.size} bytes does not hold ({out}, {n_in}) values ({out * (n_in // per) * size} bytes)")
+        self.raw = np.ascontiguousarray(raw.reshape(out, (n_in // per) * size))
+        self.qtype, self.shape, self.name = qtype, (out, n_in), name
+        self.d, self.dmin = _scales(self.raw, qtype)
+        _check_finite(self.raw, self.d, self.dmin, qtype, name)
+        self._buf = None
+
+    def __repr__(self) -> str:
+        return f"QuantizedMatrix({self.name!r}, {self.qtype}, shape={self.shape}, {self.nbytes / 2**20:.1f} MiB)"
+
+    dtype = np.dtype(np.float32)  # what it computes in
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def size(self) -> int:
+        """Values (out x in), as an array's ``size``."""
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the blocks and the float32 copy of their scales."""
+        return self.raw.nbytes + self.d.nbytes + self.dmin.nbytes
+
+    def dequantize(self, rows=None, *, kernel: str | None = None) -> np.ndarray:
+        """Rows (a slice, an index array, or all) as float32: (n, in)."""
+        idx = np.arange(self.shape[0])[rows] if rows is not None else None
+        raw = self.raw if idx is None else self.raw[idx]
+        if (kernel or _default_kernel()) == "numpy":
+            return dequantize_rows(raw, self.qtype, self.shape[1])
+        out = np.empty((raw.shape[0], self.shape[1]), np.float32)
+        self._decode(raw, None if idx is None else idx, out)
+        return out
+
+    def _decode(self, raw, idx, out, parallel: bool = True) -> None:
+        """out <- rows ``raw`` (those of ``idx``, or all) as float32, by the compiled decoders."""
+        from . import quant_kernels as qk
+
+        if self.qtype in ("F16", "BF16"):
+            qk.dequantize_lut_into(raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, out, parallel=parallel)
+            return
+        d = self.d if idx is None else self.d[idx]
+        dmin = self.dmin if idx is None else self.dmin[idx]
+        qk.dequantize_into(raw, d, dmin, _CODE[self.qtype], out, parallel=parallel)
+
+    def take(self, ids) -> np.ndarray:
+        """Rows ``ids`` as float32 (an embedding lookup): ids (...,) -> (..., in)."""
+        ids = np.asarray(ids)
+        return self.dequantize(ids.reshape(-1)).reshape(*ids.shape, self.shape[1])
+
+    def matmul(self, x, *, kernel: str | None = None) -> np.ndarray:
+        """``x @ W.T``: x (..., in) float32 -> (..., out) float32."""
+        x = np.asarray(x, np.float32)
+        if x.shape[-1] != self.shape[1]:
+            raise ValueError(f"{self.name}: x should end in {self.shape[1]} values, got shape {x.shape}")
+        lead = x.shape[:-1]
+        x2 = np.ascontiguousarray(x.reshape(-1, self.shape[1]))  # (T, in)
+        T = len(x2)
+        if (kernel or _default_kernel()) == "numpy":
+            if kernel is None and not kernel_available():
+                _say_once_uncompiled()
+            out = x2 @ self.dequantize(kernel="numpy").T
+        elif T <= DIRECT_TOKENS:
+            from . import quant_kernels as qk
+
+            out = np.empty((T, self.shape[0]), np.float32)
+            if self.qtype in ("F16", "BF16"):
+                qk.matmul_lut(self.raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, x2, out)
+            else:
+                qk.matmul_direct(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
+        else:
+            out = self._tiled(x2)
+        return out.reshape(*lead, self.shape[0])
+
+    def _tiled(self, x2: np.ndarray) -> np.ndarray:
+        """Many tokens: tiles of rows decoded to float32 and multiplied by BLAS, the tiles shared out by
+        qkv's pool (BLAS pinned to one thread a worker, decoders on the worker's thread)."""
+        from ..._parallel import run_all, scratch
+
+        rows, n_in = self.shape
+        T = len(x2)
+        out = np.empty((T, rows), np.float32)
+        step = max(1, min(TILE_ROWS, rows))
+
+        def tile(r0):
+            r1 = min(rows, r0 + step)
+            buf = scratch("quant.tile", (r1 - r0, n_in), np.float32)
+            self._decode(self.raw[r0:r1], slice(r0, r1), buf, parallel=False)
+            # The product into a contiguous buffer, then copied into its columns: straight into the
+            # strided out[:, r0:r1], NumPy's matmul would skip BLAS (25x slower); and (out, T) tiles
+            # transposed at the end cost a quarter of a 1,000-token prefill, on one thread.
+            part = scratch("quant.part", (T, r1 - r0), np.float32)
+            np.matmul(x2, buf.T, out=part)
+            out[:, r0:r1] = part
+
+        run_all([lambda r0=r0: tile(r0) for r0 in range(0, rows, step)])
+        return out
+
+
+class StackedMatrix:
+    """Matrices of one input size stacked on the output axis (a layer's query, key and value
+    projections), when their types differ: each multiplies on its own, outputs side by side."""
+
+    def __init__(self, parts):
+        self.parts = list(parts)
+        self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    def __repr__(self) -> str:
+        return f"StackedMatrix({', '.join(getattr(p, 'qtype', 'F32') for p in self.parts)}, shape={self.shape})"
+
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul(self, x, *, kernel: str | None = None) -> np.ndarray:
+        return np.concatenate([matmul(x, p, kernel=kernel) for p in self.parts], axis=-1)
+
+    def dequantize(self, rows=None, *, kernel: str | None = None) -> np.ndarray:
+        full = np.concatenate([p.dequantize(kernel=kernel) if hasattr(p, "dequantize") else p for p in self.parts])
+        return full if rows is None else full[rows]
+
+
+def stack(parts):
+    """Matrices (out_i, in) as one (sum out_i, in): float32 arrays concatenated, quantized ones of one
+    type joined block rows to block rows (one product), a :class:`StackedMatrix` otherwise."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts)
+    kinds = {getattr(p, "qtype", None) for p in parts}
+    if len(kinds) == 1 and None not in kinds:
+        first = parts[0]
+        joined = QuantizedMatrix(np.concatenate([p.raw for p in parts]), first.qtype, (sum(p.shape[0] for p in parts), first.shape[1]), name=first.name)
+        return joined
+    return StackedMatrix(parts)
+
+
+def permute_rows(w, order):
+    """Rows of a float32 or quantized matrix (out, in) reordered: ``w[order]`` (a row's blocks move whole)."""
+    if isinstance(w, np.ndarray):
+        return np.ascontiguousarray(w[order])
+    if isinstance(w, QuantizedMatrix):
+        return QuantizedMatrix(w.raw[order], w.qtype, w.shape, name=w.name)
+    raise TypeError(f"w should be a float32 array or a QuantizedMatrix, got {type(w).__name__}")
+
+
+def matmul(x: np.ndarray, w, *, kernel: str | None = None) -> np.ndarray:
+    """``x @ w.T`` for a float32 ``w`` (out, in) or a quantized or stacked one."""
+    if isinstance(w, np.ndarray):
+        return x @ w.T
+    return w.matmul(x, kernel=kernel)
+
+
+def _default_kernel() -> str:
+    from ...flash import KERNEL
+
+    return KERNEL
+
+
+def dequantize_rows(raw: np.ndarray, qtype: str, n_in: int) -> np.ndarray:
+    """The reference: ``gguf.quants.dequantize`` of whole rows, float32 (n, n_in)."""
+    if qtype == "F16":  # gguf has no F16 class: a view
+        return raw.view(np.float16).reshape(len(raw), n_in).astype(np.float32)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(raw, GGMLQuantizationType[qtype]), np.float32).reshape(len(raw), n_in)

@@ -1,0 +1,302 @@
+"""Tokenizers for the causal language models, as ``tokenizers.Tokenizer`` objects.
+
+A Hugging Face directory has its ``tokenizer.json``; a GGUF file has only
+its vocabulary in the metadata (``tokenizer.ggml.*``), which is turned into
+the same kind of tokenizer here. The Rust ``tokenizers`` library does the
+tokenizing; what is written here is only how the file's vocabulary maps
+onto it.
+
+:class:`TextTokenizer` is the small interface the models use: ``encode``
+(with the model's BOS), ``decode``, and the ids of BOS, EOS and padding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ModelError
+
+__all__ = ["TextTokenizer", "from_gguf", "from_file"]
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError("qkv.models needs tokenizers: pip install 'qkv[models]'") from None
+    return tokenizers
+
+
+class TextTokenizer:
+    """Text to token ids and back, for a causal language model.
+
+    Parameters
+    ----------
+    tokenizer : tokenizers.Tokenizer
+        With no post-processor: BOS is added here, as ``add_bos`` says.
+    bos_id, eos_id, pad_id : int or None
+    add_bos : bool
+        Whether :meth:`encode` starts the ids with BOS (as the model was trained).
+    eos_ids : tuple of int
+        Every id that ends generation (EOS, and e.g. Gemma's end-of-turn).
+    """
+
+    def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None, add_bos: bool = True, eos_ids=()):
+        self.backend = tokenizer
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.add_bos = bool(add_bos) and bos_id is not None
+        self.eos_ids = tuple(dict.fromkeys([*([] if eos_id is None else [eos_id]), *eos_ids]))
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids}, add_bos={self.add_bos})"
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``, BOS first when the model expects it.
+
+        Examples
+        --------
+        >>> from qkv.models import load_causal_lm
+        >>> tok = load_causal_lm().tokenizer
+        >>> tok.encode("The capital of France is")
+        [2, 818, 5279, 529, 7001, 563]
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text should be a str, got {type(text).__name__}")
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        bos = self.add_bos if add_bos is None else bool(add_bos) and self.bos_id is not None
+        return [self.bos_id, *ids] if bos else list(ids)
+
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (special tokens such as BOS left out by default)."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"ids should lie in [0, {self.vocab_size - 1}], got {bad[0]}")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token(self, i: int) -> str:
+        """The vocabulary entry of id ``i`` (for labels in pictures)."""
+        return self.backend.id_to_token(int(i))
+
+
+def _spm_merges(tokens: list[str], scores) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary that lists none.
+
+    SentencePiece's BPE merges, at each step, the adjacent pair whose union
+    is the best-scored vocabulary entry. So every split ``(left, right)`` of
+    an entry with both halves in the vocabulary is a merge, ranked by the
+    entry's score, then longer ``left`` first: the rule transformers applies
+    to the same file. Gemma's scores do not follow its merge order, its place
+    in the file does: its callers pass ``-place`` as the score.
+    """
+    index, score = {}, {}
+    for i, (t, sc) in enumerate(zip(tokens, scores)):
+        index[t], score[t] = i, float(sc)  # a repeated spelling keeps its last entry, as a dict built from the list does
+    ranked = []
+    for t in index:
+        for cut in range(len(t) - 1, 0, -1):  # longer left first
+            left, right = t[:cut], t[cut:]
+            if left in index and right in index:
+                ranked.append((-score[t], left, right))
+    ranked.sort(key=lambda m: m[0])  # stable: the longer-left order within an entry stays
+    return [(left, right) for _, left, right in ranked]
+
+
+#: How text is split into words before byte-level BPE, by ``tokenizer.ggml.pre`` (llama.cpp's names;
+#: the patterns are those of the models' own tokenizer.json files).
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+BPE_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "gpt-2": None, "default": None}
+
+#: Tokens that end a turn where the file marks them as control tokens (llama.cpp's end-of-generation list).
+_END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<EOT>")
+
+
+#: Bumped when the way a tokenizer is built from a GGUF vocabulary changes: older cached ones are not read.
+_CACHE_FORMAT = "qkv-gguf-tokenizer-1"
+
+
+def cache_dir() -> Path:
+    """Where qkv keeps what it derives from model files: ``$QKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``."""
+    import os
+
+    if os.environ.get("QKV_CACHE_DIR"):
+        return Path(os.environ["QKV_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qkv"
+
+
+def cached_tokenizer(description, build):
+    """The tokenizer ``build()`` makes for a vocabulary ``description``, kept on disk under its hash.
+
+    Rebuilding Gemma's 262,144-token vocabulary (its merges recovered from the
+    vocabulary, in Python) takes about 2.5 s; reading it back as tokenizer JSON
+    takes 0.2 s. The file holds nothing executable (JSON, read by the
+    ``tokenizers`` library); an unreadable one is rebuilt, and a cache that
+    cannot be written is skipped.
+    """
+    import hashlib
+    import json
+
+    from ..._files import write_atomic
+
+    tk = _tokenizers()
+    key = hashlib.sha256(json.dumps([_CACHE_FORMAT, description], ensure_ascii=False).encode("utf-8")).hexdigest()
+    path = cache_dir() / "tokenizers" / f"{key}.json"
+    try:
+        return tk.Tokenizer.from_file(str(path))
+    except Exception:  # missing, partial or foreign: rebuild it
+        pass
+    tok = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: f.write(tok.to_str().encode("utf-8")))
+    except OSError:
+        pass
+    return tok
+
+
+def from_gguf(gguf, *, source: str) -> TextTokenizer:
+    """The tokenizer described by a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+    Supported: ``tokenizer.ggml.model == "llama"`` (SentencePiece-style BPE
+    given by tokens, scores and token types, with byte fallback; Gemma's
+    merges follow the file's order, the others' the scores) and ``"gpt2"``
+    (byte-level BPE given by tokens and merges, the words split as
+    ``tokenizer.ggml.pre`` names: see :data:`BPE_SPLITS`).
+    """
+    tk = _tokenizers()
+    model = gguf.field("tokenizer.ggml.model", required=True)
+    if model not in ("llama", "gpt2"):
+        raise ModelError(f"{source}: tokenizer.ggml.model {model!r} is not supported (qkv reads SentencePiece 'llama' and byte-level BPE 'gpt2' vocabularies)")
+    tokens = list(gguf.field("tokenizer.ggml.tokens", required=True))
+    if not tokens:
+        raise ModelError(f"{source}: tokenizer.ggml.tokens is empty: the file has no vocabulary to encode text with")
+    types = gguf.field("tokenizer.ggml.token_type")
+    if types is None or len(types) != len(tokens):
+        raise ModelError(f"{source}: tokenizer.ggml.token_type should list one type per token ({len(tokens)})")
+    types = [int(k) for k in types]
+    gemma = gguf.architecture.startswith("gemma")
+    if model == "llama" and gemma:
+        # Gemma stores a token of two or more spaces as real spaces, while the text reaches BPE with
+        # every space turned into U+2581: spell those tokens that way so they can match.
+        tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    unk = gguf.field("tokenizer.ggml.unknown_token_id")
+    if unk is not None and not 0 <= int(unk) < len(tokens):
+        raise ModelError(f"{source}: tokenizer.ggml.unknown_token_id {int(unk)} is outside the vocabulary of {len(tokens)}")
+
+    def ident(key):
+        v = gguf.field(key)
+        if v is None:
+            return None
+        if isinstance(v, (str, list)) or not 0 <= int(v) < len(tokens):
+            raise ModelError(f"{source}: {key} should be a token id below {len(tokens)}, got {v!r}")
+        return int(v)
+
+    def specials(tok):
+        # Control tokens (<bos>, <|im_start|>, ...) match whole and are special; user-defined ones
+        # match whole and are text.
+        tok.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL])
+        tok.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and vocab.get(t) is not None])
+        return tok
+
+    if model == "llama":
+        if gemma:
+            scores, order = [-i for i in range(len(tokens))], "spm-file-order"
+        else:
+            scores, order = gguf.field("tokenizer.ggml.scores"), "spm-scores"
+            if scores is None or len(scores) != len(tokens):
+                raise ModelError(f"{source}: tokenizer.ggml.scores should list one score per token ({len(tokens)})")
+            scores = [float(x) for x in scores]
+
+        def build():
+            bpe = tk.models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores), unk_token=None if unk is None else tokens[int(unk)], fuse_unk=True, byte_fallback=True)
+            tok = tk.Tokenizer(bpe)
+            if gemma:  # no space before the text
+                tok.normalizer = tk.normalizers.Replace(" ", "\u2581")
+                tok.decoder = tk.decoders.Sequence([tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()])
+            else:  # Llama's SentencePiece: a space before the text, taken off again in decoding
+                tok.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+                tok.decoder = tk.decoders.Sequence([tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse(), tk.decoders.Strip(" ", 1, 0)])
+            return specials(tok)
+
+        description = (order, model, tokens, types, unk, None if gemma else scores)
+    else:
+        merges = gguf.field("tokenizer.ggml.merges")
+        if merges is None:
+            raise ModelError(f"{source}: a 'gpt2' vocabulary needs tokenizer.ggml.merges")
+        pairs = []
+        for m in merges:
+            left, sep, right = str(m).partition(" ")
+            if not sep or not left or not right:
+                raise ModelError(f"{source}: tokenizer.ggml.merges entry {m!r} should be two tokens separated by a space")
+            for part in (left, right, left + right):
+                if part not in vocab:  # tokenizers would refuse it at the first encode, with no file named
+                    raise ModelError(f"{source}: tokenizer.ggml.merges entry {m!r} makes or uses {part!r}, which is not in tokenizer.ggml.tokens")
+            pairs.append((left, right))
+        pre = str(gguf.field("tokenizer.ggml.pre", "default"))
+        if pre not in BPE_SPLITS:
+            raise ModelError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; qkv splits words as {', '.join(map(repr, BPE_SPLITS))}")
+
+        def build():
+            tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=BPE_SPLITS[pre] is _LLAMA3_SPLIT))  # Llama 3 takes a word in the vocabulary whole
+            if BPE_SPLITS[pre] is None:  # GPT-2's own split
+                tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            else:
+                tok.pre_tokenizer = tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(BPE_SPLITS[pre]), behavior="isolated"), tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            if BPE_SPLITS[pre] is _QWEN2_SPLIT:
+                tok.normalizer = tk.normalizers.NFC()
+            tok.decoder = tk.decoders.ByteLevel()
+            return specials(tok)
+
+        description = ("bpe", model, pre, tokens, types, pairs)
+    tok = cached_tokenizer(description, build)
+    bos, eos = ident("tokenizer.ggml.bos_token_id"), ident("tokenizer.ggml.eos_token_id")
+    ends = [ident(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    ends += [vocab[t] for t in _END_OF_TURN if t in vocab and types[vocab[t]] == _CONTROL]  # a chat turn's end stops generation too
+    return TextTokenizer(
+        tok,
+        bos_id=bos,
+        eos_id=eos,
+        pad_id=ident("tokenizer.ggml.padding_token_id"),
+        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", model == "llama")),
+        eos_ids=[e for e in dict.fromkeys(ends) if e is not None],
+    )
+
+
+def from_file(path: Path, config: dict) -> TextTokenizer:
+    """The tokenizer of a Hugging Face directory (``tokenizer.json``), BOS as the config says.
+
+    The file's own post-processor (which may add BOS) is replaced: BOS is
+    added by :meth:`TextTokenizer.encode`, once, where the model family
+    expects it.
+    """
+    from .files import MAX_JSON_BYTES, regular_file
+
+    tk = _tokenizers()
+    # A FIFO, a link to /dev/zero or a huge file stops here; bad JSON is the parser's error, wrapped below.
+    regular_file(path, "qkv needs a fast-tokenizer tokenizer.json", max_bytes=MAX_JSON_BYTES)
+    try:
+        tok = tk.Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot read tokenizer ({exc})") from None
+    tok.no_padding()
+    tok.no_truncation()
+    add_bos = bool(config.get("add_bos_token", False))
+    bos = config.get("bos_token_id")
+    eos = config.get("eos_token_id")
+    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return TextTokenizer(
+        tok,
+        bos_id=None if bos is None else int(bos),
+        eos_id=None if not eos_list else int(eos_list[0]),
+        pad_id=config.get("pad_token_id"),
+        add_bos=add_bos,
+        eos_ids=[int(e) for e in eos_list],
+    )

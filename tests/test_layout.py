@@ -66,6 +66,7 @@ def test_old_module_paths_import_the_new_modules_with_a_warning():
         with pytest.warns(DeprecationWarning, match=rf"qkv.models.{old} is now qkv.models.{re.escape(new)}"):
             module = importlib.import_module(f"qkv.models.{old}")
         assert module is importlib.import_module(f"qkv.models.{new}")
+        assert module.__spec__.name == f"qkv.models.{new}"  # its lazy relative imports still resolve from its own package
     if "quants" in vars(m):  # the import above set the package's attribute; the attribute form asks __getattr__
         delattr(m, "quants")
     with pytest.warns(DeprecationWarning, match="qkv.models.quants is now qkv.models.formats.quants"):

@@ -76,10 +76,12 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self) if package == __name__ and old in MOVED else None
 
     def create_module(self, spec):
-        return _moved(spec.name.rpartition(".")[2])
+        module = _moved(spec.name.rpartition(".")[2])
+        self.spec = module.__spec__  # importlib sets the old name's spec on it next: put its own back in exec_module
+        return module
 
-    def exec_module(self, module):  # the new module ran when it was imported
-        pass
+    def exec_module(self, module):  # the new module ran when it was imported; its spec (its package) stays its own
+        module.__spec__ = self.spec
 
 
 if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..errors import ModelError
 
-__all__ = ["Family", "FAMILIES", "find", "model_types", "gguf_architectures", "load_module"]
+__all__ = ["Family", "FAMILIES", "find", "model_types", "gguf_architectures", "load_module", "hf_loader", "gguf_loader"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +91,23 @@ def find(engine: str, *, model_type=None, architecture=None, source: str = "") -
 def load_module(family: Family):
     """The family's module (imported on first use: a family's extras load only when it runs)."""
     return importlib.import_module(f"{__name__}.{family.name}")
+
+
+def hf_loader(config_from_hf, weights_from_hf):
+    """A family's ``from_hf`` for the usual pair: the config from ``config.json``, then the weights it sizes."""
+
+    def from_hf(c: dict, source: str, get, t):
+        cfg = config_from_hf(c, source, get)
+        return cfg, weights_from_hf(t, cfg)
+
+    return from_hf
+
+
+def gguf_loader(config_from_gguf, weights_from_gguf):
+    """A family's ``from_gguf`` for the usual pair: the config from the file's metadata, then its tensors."""
+
+    def from_gguf(g, *, keep_quantized: bool = True):
+        cfg = config_from_gguf(g)
+        return cfg, weights_from_gguf(g, cfg, keep_quantized=keep_quantized)
+
+    return from_gguf

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..engines.decoder import DecoderConfig, DecoderLayer, DecoderWeights
 from ..errors import ModelError
+from . import hf_loader
 
 __all__ = ["config_from_hf", "weights_from_hf"]
 
@@ -88,7 +89,4 @@ def weights_from_hf(t, cfg: DecoderConfig):
     return DecoderWeights(embed, layers, (t("transformer.ln_f.weight", (E,)), t("transformer.ln_f.bias", (E,))), lm_head=head, embed_norm=embed_norm)
 
 
-def from_hf(c: dict, source: str, get, t):
-    """``(DecoderConfig, DecoderWeights)`` of a Hugging Face directory."""
-    cfg = config_from_hf(c, source, get)
-    return cfg, weights_from_hf(t, cfg)
+from_hf = hf_loader(config_from_hf, weights_from_hf)  #: (DecoderConfig, DecoderWeights) of a Hugging Face directory

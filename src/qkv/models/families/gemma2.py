@@ -18,6 +18,7 @@ from ..engines.decoder import DecoderConfig
 from ..errors import ModelError
 from ..formats import metadata
 from .gemma3 import weights_from_hf
+from . import hf_loader
 
 __all__ = ["config_from_hf", "from_hf"]
 
@@ -51,7 +52,4 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
     )
 
 
-def from_hf(c: dict, source: str, get, t):
-    """``(DecoderConfig, DecoderWeights)`` of a Hugging Face directory: Gemma 3's tensor names, without q/k norms."""
-    cfg = config_from_hf(c, source, get)
-    return cfg, weights_from_hf(t, cfg)
+from_hf = hf_loader(config_from_hf, weights_from_hf)  #: (DecoderConfig, DecoderWeights) of a Hugging Face directory

@@ -25,6 +25,7 @@ from ..engines.decoder import DecoderConfig, DecoderLayer, DecoderWeights
 from ..errors import ModelError
 from ..formats import metadata
 from ..formats.quants import stack
+from . import gguf_loader, hf_loader
 
 __all__ = ["config_from_gguf", "config_from_hf", "from_gguf", "from_hf", "weights_from_gguf", "weights_from_hf"]
 
@@ -163,13 +164,5 @@ def weights_from_hf(t, cfg: DecoderConfig) -> DecoderWeights:
     return DecoderWeights(embed, layers, (norm("model.norm.weight"), None), lm_head=head)
 
 
-def from_hf(c: dict, source: str, get, t):
-    """``(DecoderConfig, DecoderWeights)`` of a Hugging Face directory."""
-    cfg = config_from_hf(c, source, get)
-    return cfg, weights_from_hf(t, cfg)
-
-
-def from_gguf(g, *, keep_quantized: bool = True):
-    """``(DecoderConfig, DecoderWeights)`` of a GGUF file."""
-    cfg = config_from_gguf(g)
-    return cfg, weights_from_gguf(g, cfg, keep_quantized=keep_quantized)
+from_hf = hf_loader(config_from_hf, weights_from_hf)  #: (DecoderConfig, DecoderWeights) of a Hugging Face directory
+from_gguf = gguf_loader(config_from_gguf, weights_from_gguf)  #: (DecoderConfig, DecoderWeights) of a GGUF file

@@ -15,6 +15,7 @@ from ..engines.decoder import DecoderConfig, DecoderLayer, DecoderWeights
 from ..errors import ModelError
 from ..formats import metadata
 from ..formats.quants import permute_rows, stack
+from . import gguf_loader, hf_loader
 
 __all__ = ["config_from_hf", "weights_from_hf", "config_from_gguf", "weights_from_gguf", "from_hf", "from_gguf"]
 
@@ -105,16 +106,6 @@ def config_from_gguf(g) -> DecoderConfig:
     )
 
 
-def from_hf(c: dict, source: str, get, t):
-    """``(DecoderConfig, DecoderWeights)`` of a Hugging Face directory."""
-    cfg = config_from_hf(c, source, get)
-    return cfg, weights_from_hf(t, cfg)
-
-
-def from_gguf(g, *, keep_quantized: bool = True):
-    """``(DecoderConfig, DecoderWeights)`` of a GGUF file."""
-    cfg = config_from_gguf(g)
-    return cfg, weights_from_gguf(g, cfg, keep_quantized=keep_quantized)
 
 
 def _unpermute(w, heads: int):  # (heads * D, E) -> (heads * D, E)
@@ -168,3 +159,7 @@ def weights_from_gguf(g, cfg: DecoderConfig, *, keep_quantized: bool = True):
     embed = g.matrix("token_embd.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)
     head = None if cfg.tie_embeddings else g.matrix("output.weight", (cfg.vocab_size, E), keep_quantized=keep_quantized)
     return DecoderWeights(embed, layers, (g.tensor("output_norm.weight", (E,)), None), lm_head=head)
+
+
+from_hf = hf_loader(config_from_hf, weights_from_hf)  #: (DecoderConfig, DecoderWeights) of a Hugging Face directory
+from_gguf = gguf_loader(config_from_gguf, weights_from_gguf)  #: (DecoderConfig, DecoderWeights) of a GGUF file

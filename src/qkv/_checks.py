@@ -112,6 +112,15 @@ def check_cu_seqlens(x, name: str, total: int | None = None) -> np.ndarray:
     return cu
 
 
+def check_cu_pair(cu_seqlens_q, cu_seqlens_k, total_q: int | None = None, total_k: int | None = None) -> tuple:
+    """Both ``cu_seqlens`` checked, and the same number of sequences in each: ``(cu_q, cu_k)``."""
+    cq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
+    ck = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k)
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k should give the same number of sequences, got {len(cq) - 1} and {len(ck) - 1}")
+    return cq, ck
+
+
 @functools.lru_cache(maxsize=1)
 def _physical_memory() -> int | None:
     try:

@@ -8,10 +8,14 @@ Shared by the direct path (:mod:`qkv.attention`) and the tiled path
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._checks import as_rng, check_real
+
+if TYPE_CHECKING:  # the annotation only: problem.py imports dropout, not the other way
+    from .problem import _Problem
 
 __all__ = ["dropout_keep"]
 

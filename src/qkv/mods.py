@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import as_array, check_cu_seqlens, check_int, check_real, is_real_dtype
+from ._checks import as_array, check_cu_pair, check_int, check_real, is_real_dtype
 
 __all__ = [
     "BlockMask",
@@ -486,10 +486,7 @@ class _Packing:
     """Packed positions -> (sequence index, position within the sequence), for queries and keys."""
 
     def __init__(self, cu_seqlens_q, cu_seqlens_k):
-        self.cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
-        self.cu_k = self.cu_q if cu_seqlens_k is None else check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
-        if len(self.cu_q) != len(self.cu_k):
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k should give the same number of sequences, got {len(self.cu_q) - 1} and {len(self.cu_k) - 1}")
+        self.cu_q, self.cu_k = check_cu_pair(cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k)
 
     def _local(self, cu, idx):  # -> (sequence, position within it)
         n = np.clip(np.searchsorted(cu, idx, side="right") - 1, 0, len(cu) - 2)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import mods as _mods
-from ._checks import as_array, check_broadcast, check_cu_seqlens, check_int, check_int_vector, check_real, check_representable, is_real_dtype
+from ._checks import as_array, check_broadcast, check_cu_pair, check_int, check_int_vector, check_real, check_representable, is_real_dtype
 
 __all__ = ["Variants", "prepare", "packed_offsets"]
 
@@ -199,10 +199,7 @@ def packed_offsets(cu_seqlens_q, cu_seqlens_k, Lq: int, Sk: int):
     >>> doc_q.tolist(), doc_k.tolist(), off.tolist()
     ([0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [1, 1, 0, 0, 0])
     """
-    cq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Lq)
-    ck = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Sk)
-    if len(cq) != len(ck):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k should give the same number of sequences, got {len(cq) - 1} and {len(ck) - 1}")
+    cq, ck = check_cu_pair(cu_seqlens_q, cu_seqlens_k, Lq, Sk)
     doc_q = np.searchsorted(cq, np.arange(Lq), side="right") - 1
     doc_k = np.searchsorted(ck, np.arange(Sk), side="right") - 1
     off = ck[doc_q + 1] - cq[doc_q + 1]

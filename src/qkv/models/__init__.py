@@ -75,13 +75,18 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         package, _, old = fullname.rpartition(".")
         return importlib.util.spec_from_loader(fullname, self) if package == __name__ and old in MOVED else None
 
+    def __init__(self):
+        self.own_specs = {}  # old name -> the new module's own spec, between create_module and exec_module
+
     def create_module(self, spec):
         module = _moved(spec.name.rpartition(".")[2])
-        self.spec = module.__spec__  # importlib sets the old name's spec on it next: put its own back in exec_module
+        self.own_specs[spec.name] = module.__spec__
         return module
 
-    def exec_module(self, module):  # the new module ran when it was imported; its spec (its package) stays its own
-        module.__spec__ = self.spec
+    def exec_module(self, module):
+        # The new module ran when it was imported; importlib has just set the old name's spec on it:
+        # give it its own back, so that its lazy relative imports resolve from its own package.
+        module.__spec__ = self.own_specs.pop(module.__spec__.name)
 
 
 if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):

@@ -66,7 +66,7 @@ def from_hf(c: dict, get, *, norm_eps: float = 1e-6, rope_base: float = 10000.0)
         hidden_size=E,
         num_heads=H,
         num_kv_heads=get("num_key_value_heads", int, H),
-        head_dim=get("head_dim", int, E // H) or E // H,
+        head_dim=get("head_dim", int, E // H),
         intermediate_size=get("intermediate_size", int),
         norm_eps=get("rms_norm_eps", float, norm_eps),
         rope_base=get("rope_theta", float, base),

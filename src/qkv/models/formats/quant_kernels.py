@@ -48,293 +48,299 @@ def _k_pair(row, o, g, d, dmin):  # a K-quant super-block at o, sub-blocks 2g an
     return d * np.float32(a0), dmin * np.float32(m0), d * np.float32(a1), dmin * np.float32(m1)
 
 
+# ------------------------------------------------------------ the integers of each block type
+#
+# What a decoder and a product of one type share: the integer of value j (and j + 16, ...) of a
+# block from its bytes, and the K-quants' sub-block factors. Inlined, so each loop below is
+# compiled as if written out.
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q4_0(v):  # a Q4_0 byte -> values j and j + 16 of its block
+    return (v & 0xF) - 8, (v >> 4) - 8
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q5_0_high(row, o):  # a Q5_0 block at o -> its 32 fifth bits (bytes 2-5, little-endian)
+    return np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8) | (np.int32(row[o + 4]) << 16) | (np.int32(row[o + 5]) << 24)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q5_0(v, qh, j):  # byte j of a Q5_0 block's nibbles -> values j and j + 16 (bit j of qh: value j's fifth bit)
+    return ((v & 0xF) | (((qh >> j) & 1) << 4)) - 16, ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q5_k(v, h):  # a Q5_K nibble byte and its high-bit byte shifted to the pair -> values j and j + 32
+    return (v & 0xF) | ((h & 1) << 4), (v >> 4) | ((h & 2) << 3)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q6_k(l0, l1, h):  # two Q6_K low bytes and their high byte -> values j, j + 32, j + 64, j + 96
+    return (((l0 & 0xF) | ((h & 3) << 4)) - 32, ((l1 & 0xF) | (((h >> 2) & 3) << 4)) - 32,
+            ((l0 >> 4) | (((h >> 4) & 3) << 4)) - 32, ((l1 >> 4) | (((h >> 6) & 3) << 4)) - 32)  # fmt: skip
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q6_k_scales(sc, so, part, db):  # the four sub-block factors of a Q6_K half-block's values 16 * part ...
+    return db * np.float32(sc[so + part]), db * np.float32(sc[so + 2 + part]), db * np.float32(sc[so + 4 + part]), db * np.float32(sc[so + 6 + part])
+
+
 # ------------------------------------------------------------ exact decoders
 #
-# One function a type, each loop elementwise over the 32 (or 16) values a byte run gives: LLVM
-# vectorises them without fastmath, and every value is the reference's float32 expression.
+# One function a type decodes row r, each loop elementwise over the 32 (or 16) values a byte run
+# gives: LLVM vectorises them without fastmath, and every value is the reference's float32 expression.
 
 
-def _dq_q8_0(raw, d, out):
-    for r in prange(raw.shape[0]):
-        q = raw[r].view(np.int8)
-        for b in range(d.shape[1]):
-            db, o = d[r, b], 34 * b + 2
+@njit(cache=True, nogil=True, inline="always")
+def _dq_q8_0(raw, d, dmin, r, out):
+    q = raw[r].view(np.int8)
+    for b in range(d.shape[1]):
+        db, o = d[r, b], 34 * b + 2
+        for j in range(32):
+            out[r, 32 * b + j] = np.float32(q[o + j]) * db
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dq_q4_0(raw, d, dmin, r, out):
+    row = raw[r]
+    for b in range(d.shape[1]):
+        db, o = d[r, b], 18 * b + 2
+        for j in range(16):
+            lo, hi = _q4_0(np.int32(row[o + j]))
+            out[r, 32 * b + j] = db * np.float32(lo)
+            out[r, 32 * b + 16 + j] = db * np.float32(hi)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dq_q5_0(raw, d, dmin, r, out):
+    row = raw[r]
+    for b in range(d.shape[1]):
+        db, o = d[r, b], 22 * b
+        qh = _q5_0_high(row, o)
+        for j in range(16):
+            lo, hi = _q5_0(np.int32(row[o + 6 + j]), qh, j)
+            out[r, 32 * b + j] = db * np.float32(lo)
+            out[r, 32 * b + 16 + j] = db * np.float32(hi)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dq_q4_k(raw, d, dmin, r, out):
+    row = raw[r]
+    for b in range(d.shape[1]):
+        o = 144 * b
+        for g in range(4):
+            d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
+            at, xa = o + 16 + 32 * g, 256 * b + 64 * g
             for j in range(32):
-                out[r, 32 * b + j] = np.float32(q[o + j]) * db
+                v = np.int32(row[at + j])
+                out[r, xa + j] = d0 * np.float32(v & 0xF) - n0
+                out[r, xa + 32 + j] = d1 * np.float32(v >> 4) - n1
 
 
-def _dq_q4_0(raw, d, out):
+@njit(cache=True, nogil=True, inline="always")
+def _dq_q5_k(raw, d, dmin, r, out):
+    row = raw[r]
+    for b in range(d.shape[1]):
+        o = 176 * b
+        for g in range(4):
+            d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
+            at, xa = o + 48 + 32 * g, 256 * b + 64 * g
+            for j in range(32):
+                lo, hi = _q5_k(np.int32(row[at + j]), np.int32(row[o + 16 + j]) >> (2 * g))
+                out[r, xa + j] = d0 * np.float32(lo) - n0
+                out[r, xa + 32 + j] = d1 * np.float32(hi) - n1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dq_q6_k(raw, d, dmin, r, out):
+    row = raw[r]
+    sc = row.view(np.int8)
+    for b in range(d.shape[1]):
+        o = 210 * b
+        for half in range(2):
+            lo_at, hi_at, xa, so = o + 64 * half, o + 128 + 32 * half, 256 * b + 128 * half, o + 192 + 8 * half
+            for part in range(2):
+                s0, s1, s2, s3 = _q6_k_scales(sc, so, part, d[r, b])
+                for jj in range(16):
+                    j = 16 * part + jj
+                    q0, q1, q2, q3 = _q6_k(np.int32(row[lo_at + j]), np.int32(row[lo_at + 32 + j]), np.int32(row[hi_at + j]))
+                    out[r, xa + j] = s0 * np.float32(q0)
+                    out[r, xa + 32 + j] = s1 * np.float32(q1)
+                    out[r, xa + 64 + j] = s2 * np.float32(q2)
+                    out[r, xa + 96 + j] = s3 * np.float32(q3)
+
+
+def _dequantize(raw, d, dmin, code, out):  # the rows, each by its type's decoder
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        for b in range(d.shape[1]):
-            db, o = d[r, b], 18 * b + 2
-            for j in range(16):
-                v = np.int32(row[o + j])
-                out[r, 32 * b + j] = db * np.float32((v & 0xF) - 8)
-                out[r, 32 * b + 16 + j] = db * np.float32((v >> 4) - 8)
+        if code == _Q8_0:
+            _dq_q8_0(raw, d, dmin, r, out)
+        elif code == _Q4_0:
+            _dq_q4_0(raw, d, dmin, r, out)
+        elif code == _Q5_0:
+            _dq_q5_0(raw, d, dmin, r, out)
+        elif code == _Q4_K:
+            _dq_q4_k(raw, d, dmin, r, out)
+        elif code == _Q5_K:
+            _dq_q5_k(raw, d, dmin, r, out)
+        else:
+            _dq_q6_k(raw, d, dmin, r, out)
 
 
-def _dq_q5_0(raw, d, out):
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        for b in range(d.shape[1]):
-            db, o = d[r, b], 22 * b
-            qh = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8) | (np.int32(row[o + 4]) << 16) | (np.int32(row[o + 5]) << 24)
-            for j in range(16):
-                v = np.int32(row[o + 6 + j])
-                out[r, 32 * b + j] = db * np.float32(((v & 0xF) | (((qh >> j) & 1) << 4)) - 16)
-                out[r, 32 * b + 16 + j] = db * np.float32(((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16)
-
-
-def _dq_q4_k(raw, d, dmin, out):
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        for b in range(d.shape[1]):
-            o = 144 * b
-            for g in range(4):
-                d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
-                at, xa = o + 16 + 32 * g, 256 * b + 64 * g
-                for j in range(32):
-                    v = np.int32(row[at + j])
-                    out[r, xa + j] = d0 * np.float32(v & 0xF) - n0
-                    out[r, xa + 32 + j] = d1 * np.float32(v >> 4) - n1
-
-
-def _dq_q5_k(raw, d, dmin, out):
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        for b in range(d.shape[1]):
-            o = 176 * b
-            for g in range(4):
-                d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
-                at, xa = o + 48 + 32 * g, 256 * b + 64 * g
-                for j in range(32):
-                    v = np.int32(row[at + j])
-                    h = np.int32(row[o + 16 + j]) >> (2 * g)
-                    out[r, xa + j] = d0 * np.float32((v & 0xF) | ((h & 1) << 4)) - n0
-                    out[r, xa + 32 + j] = d1 * np.float32((v >> 4) | ((h & 2) << 3)) - n1
-
-
-def _dq_q6_k(raw, d, out):
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        sc = row.view(np.int8)
-        for b in range(d.shape[1]):
-            o = 210 * b
-            for half in range(2):
-                lo_at, hi_at, xa, so = o + 64 * half, o + 128 + 32 * half, 256 * b + 128 * half, o + 192 + 8 * half
-                for part in range(2):
-                    s0 = d[r, b] * np.float32(sc[so + part])
-                    s1 = d[r, b] * np.float32(sc[so + 2 + part])
-                    s2 = d[r, b] * np.float32(sc[so + 4 + part])
-                    s3 = d[r, b] * np.float32(sc[so + 6 + part])
-                    for jj in range(16):
-                        j = 16 * part + jj
-                        l0, l1 = np.int32(row[lo_at + j]), np.int32(row[lo_at + 32 + j])
-                        h = np.int32(row[hi_at + j])
-                        out[r, xa + j] = s0 * np.float32(((l0 & 0xF) | ((h & 3) << 4)) - 32)
-                        out[r, xa + 32 + j] = s1 * np.float32(((l1 & 0xF) | (((h >> 2) & 3) << 4)) - 32)
-                        out[r, xa + 64 + j] = s2 * np.float32(((l0 >> 4) | (((h >> 4) & 3) << 4)) - 32)
-                        out[r, xa + 96 + j] = s3 * np.float32(((l1 >> 4) | (((h >> 6) & 3) << 4)) - 32)
-
-
-# Each decoder compiled twice: over rows in parallel (numba's threads), and on the calling thread
-# (for the products of many tokens, whose tiles qkv's own pool shares out beside BLAS: numba's
-# OpenMP threads, spinning after a parallel loop, made the BLAS call after it 13x slower).
-_DECODERS = {code: (njit(cache=True, nogil=True, parallel=True)(f), njit(cache=True, nogil=True)(f))
-             for code, f in ((_Q8_0, _dq_q8_0), (_Q4_0, _dq_q4_0), (_Q5_0, _dq_q5_0), (_Q4_K, _dq_q4_k), (_Q5_K, _dq_q5_k), (_Q6_K, _dq_q6_k))}  # fmt: skip
+# Compiled twice: over rows in parallel (numba's threads), and on the calling thread (for the
+# products of many tokens, whose tiles qkv's own pool shares out beside BLAS: numba's OpenMP
+# threads, spinning after a parallel loop, made the BLAS call after it 13x slower).
+_DEQUANTIZE = (njit(cache=True, nogil=True, parallel=True)(_dequantize), njit(cache=True, nogil=True)(_dequantize))
+_BLOCK_CODES = (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K)
 
 
 def dequantize_into(raw, d, dmin, code, out, *, parallel: bool = True):  # (R, row bytes) uint8, (R, nb) f32, (R, nb or 0) f32, int, (R, in) f32
     """out <- every row's values, bit for bit ``gguf.quants.dequantize``'s (the block types; F16/BF16 use the tables)."""
-    if code not in _DECODERS:
+    if code not in _BLOCK_CODES:
         raise ValueError(f"no decoder for type code {code}")
-    f = _DECODERS[code][0 if parallel else 1]
-    if code in (_Q4_K, _Q5_K):
-        f(raw, d, dmin, out)
-    else:
-        f(raw, d, out)
+    _DEQUANTIZE[0 if parallel else 1](raw, d, dmin, code, out)
 
 
 # ------------------------------------------------------------ products for a few tokens
 #
-# One kernel a type, each the same shape: output rows in parallel, a chunk of rows a work item,
-# and for each row and token the weights multiplied into 32 (or 64) running lanes, summed once at
-# the row's end. A sum per block would cost a horizontal reduction every 32 values (4.6x slower on
-# the Q8_0 output table of Gemma 3 270M, measured); a generic decode into a buffer first, 7x.
+# One function a type dots row r with token t: the row's weights multiplied into 32 (or 64)
+# running lanes, summed once at the row's end. A sum per block would cost a horizontal reduction
+# every 32 values (4.6x slower on the Q8_0 output table of Gemma 3 270M, measured); a generic
+# decode into a buffer first, 7x. One parallel loop (_matmul) runs them over chunks of rows.
 
 #: Output rows a parallel work item takes (its scratch is made once for them).
 ROWS_PER_ITEM = 64
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _mv_q8_0(raw, d, x, out):
-    R, nb, T = raw.shape[0], d.shape[1], x.shape[0]
-    for it in prange((R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-        lanes = np.empty(32, np.float32)
-        for r in range(it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)):
-            q = raw[r].view(np.int8)
-            for t in range(T):
-                for j in range(32):
-                    lanes[j] = 0
-                for b in range(nb):
-                    db, o = d[r, b], 34 * b + 2
-                    for j in range(32):
-                        lanes[j] += db * np.float32(q[o + j]) * x[t, 32 * b + j]
-                s = np.float32(0)
-                for j in range(32):
-                    s += lanes[j]
-                out[t, r] = s
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _zero(lanes, n):
+    for j in range(n):
+        lanes[j] = 0
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _total(lanes, n):  # the lanes' sum, once a row
+    s = np.float32(0)
+    for j in range(n):
+        s += lanes[j]
+    return s
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _dot_q8_0(raw, d, dmin, x, r, t, lanes):
+    q = raw[r].view(np.int8)
+    _zero(lanes, 32)
+    for b in range(d.shape[1]):
+        db, o = d[r, b], 34 * b + 2
+        for j in range(32):
+            lanes[j] += db * np.float32(q[o + j]) * x[t, 32 * b + j]
+    return _total(lanes, 32)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _dot_q4_0(raw, d, dmin, x, r, t, lanes):
+    row = raw[r]
+    _zero(lanes, 32)
+    for b in range(d.shape[1]):
+        db, o = d[r, b], 18 * b + 2
+        for j in range(16):
+            lo, hi = _q4_0(np.int32(row[o + j]))
+            lanes[j] += db * np.float32(lo) * x[t, 32 * b + j]
+            lanes[16 + j] += db * np.float32(hi) * x[t, 32 * b + 16 + j]
+    return _total(lanes, 32)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _dot_q5_0(raw, d, dmin, x, r, t, lanes):
+    row = raw[r]
+    _zero(lanes, 32)
+    for b in range(d.shape[1]):
+        db, o = d[r, b], 22 * b
+        qh = _q5_0_high(row, o)
+        for j in range(16):  # a shift by j in each lane
+            lo, hi = _q5_0(np.int32(row[o + 6 + j]), qh, j)
+            lanes[j] += db * np.float32(lo) * x[t, 32 * b + j]
+            lanes[16 + j] += db * np.float32(hi) * x[t, 32 * b + 16 + j]
+    return _total(lanes, 32)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _dot_q4_k(raw, d, dmin, x, r, t, lanes):
+    row = raw[r]
+    _zero(lanes, 64)
+    for b in range(d.shape[1]):
+        o = 144 * b
+        for g in range(4):  # sub-blocks 2g (the low nibbles of 32 bytes) and 2g + 1 (the high ones)
+            d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
+            at, xa = o + 16 + 32 * g, 256 * b + 64 * g
+            for j in range(32):
+                v = np.int32(row[at + j])
+                lanes[j] += (d0 * np.float32(v & 0xF) - n0) * x[t, xa + j]
+                lanes[32 + j] += (d1 * np.float32(v >> 4) - n1) * x[t, xa + 32 + j]
+    return _total(lanes, 64)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _dot_q5_k(raw, d, dmin, x, r, t, lanes):
+    row = raw[r]
+    _zero(lanes, 64)
+    for b in range(d.shape[1]):
+        o = 176 * b
+        for g in range(4):
+            d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
+            at, xa = o + 48 + 32 * g, 256 * b + 64 * g
+            for j in range(32):
+                lo, hi = _q5_k(np.int32(row[at + j]), np.int32(row[o + 16 + j]) >> (2 * g))
+                lanes[j] += (d0 * np.float32(lo) - n0) * x[t, xa + j]
+                lanes[32 + j] += (d1 * np.float32(hi) - n1) * x[t, xa + 32 + j]
+    return _total(lanes, 64)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _dot_q6_k(raw, d, dmin, x, r, t, lanes):
+    row = raw[r]
+    sc = row.view(np.int8)
+    _zero(lanes, 64)
+    for b in range(d.shape[1]):
+        o = 210 * b
+        for half in range(2):  # 128 values: 64 ql bytes (two nibbles each), 32 qh bytes (four 2-bit parts)
+            lo_at, hi_at, xa, so = o + 64 * half, o + 128 + 32 * half, 256 * b + 128 * half, o + 192 + 8 * half
+            for part in range(2):  # j < 16 and j >= 16: each 16 values of a sub-block has its scale
+                s0, s1, s2, s3 = _q6_k_scales(sc, so, part, d[r, b])
+                for jj in range(16):
+                    j = 16 * part + jj
+                    q0, q1, q2, q3 = _q6_k(np.int32(row[lo_at + j]), np.int32(row[lo_at + 32 + j]), np.int32(row[hi_at + j]))
+                    lanes[j] += s0 * np.float32(q0) * x[t, xa + j] + s2 * np.float32(q2) * x[t, xa + 64 + j]
+                    lanes[32 + j] += s1 * np.float32(q1) * x[t, xa + 32 + j] + s3 * np.float32(q3) * x[t, xa + 96 + j]
+    return _total(lanes, 64)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _mv_q4_0(raw, d, x, out):
-    R, nb, T = raw.shape[0], d.shape[1], x.shape[0]
-    for it in prange((R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-        lanes = np.empty(32, np.float32)
-        for r in range(it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)):
-            row = raw[r]
-            for t in range(T):
-                for j in range(32):
-                    lanes[j] = 0
-                for b in range(nb):
-                    db, o = d[r, b], 18 * b + 2
-                    for j in range(16):
-                        v = np.int32(row[o + j])
-                        lanes[j] += db * np.float32((v & 0xF) - 8) * x[t, 32 * b + j]
-                        lanes[16 + j] += db * np.float32((v >> 4) - 8) * x[t, 32 * b + 16 + j]
-                s = np.float32(0)
-                for j in range(32):
-                    s += lanes[j]
-                out[t, r] = s
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _mv_q5_0(raw, d, x, out):
-    R, nb, T = raw.shape[0], d.shape[1], x.shape[0]
-    for it in prange((R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-        lanes = np.empty(32, np.float32)
-        for r in range(it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)):
-            row = raw[r]
-            for t in range(T):
-                for j in range(32):
-                    lanes[j] = 0
-                for b in range(nb):
-                    db, o = d[r, b], 22 * b
-                    qh = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8) | (np.int32(row[o + 4]) << 16) | (np.int32(row[o + 5]) << 24)
-                    for j in range(16):  # bit j of qh: value j's fifth bit (a shift by j in each lane)
-                        v = np.int32(row[o + 6 + j])
-                        lanes[j] += db * np.float32(((v & 0xF) | (((qh >> j) & 1) << 4)) - 16) * x[t, 32 * b + j]
-                        lanes[16 + j] += db * np.float32(((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16) * x[t, 32 * b + 16 + j]
-                s = np.float32(0)
-                for j in range(32):
-                    s += lanes[j]
-                out[t, r] = s
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _mv_q4_k(raw, d, dmin, x, out):
-    R, nb, T = raw.shape[0], d.shape[1], x.shape[0]
-    for it in prange((R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-        lanes = np.empty(64, np.float32)
-        for r in range(it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)):
-            row = raw[r]
-            for t in range(T):
-                for j in range(64):
-                    lanes[j] = 0
-                for b in range(nb):
-                    o = 144 * b
-                    for g in range(4):  # sub-blocks 2g (the low nibbles of 32 bytes) and 2g + 1 (the high ones)
-                        d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
-                        at, xa = o + 16 + 32 * g, 256 * b + 64 * g
-                        for j in range(32):
-                            v = np.int32(row[at + j])
-                            lanes[j] += (d0 * np.float32(v & 0xF) - n0) * x[t, xa + j]
-                            lanes[32 + j] += (d1 * np.float32(v >> 4) - n1) * x[t, xa + 32 + j]
-                s = np.float32(0)
-                for j in range(64):
-                    s += lanes[j]
-                out[t, r] = s
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _mv_q5_k(raw, d, dmin, x, out):
-    R, nb, T = raw.shape[0], d.shape[1], x.shape[0]
-    for it in prange((R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-        lanes = np.empty(64, np.float32)
-        for r in range(it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)):
-            row = raw[r]
-            for t in range(T):
-                for j in range(64):
-                    lanes[j] = 0
-                for b in range(nb):
-                    o = 176 * b
-                    for g in range(4):
-                        d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
-                        at, xa = o + 48 + 32 * g, 256 * b + 64 * g
-                        for j in range(32):
-                            v = np.int32(row[at + j])
-                            h = np.int32(row[o + 16 + j]) >> (2 * g)
-                            lanes[j] += (d0 * np.float32((v & 0xF) | ((h & 1) << 4)) - n0) * x[t, xa + j]
-                            lanes[32 + j] += (d1 * np.float32((v >> 4) | ((h & 2) << 3)) - n1) * x[t, xa + 32 + j]
-                s = np.float32(0)
-                for j in range(64):
-                    s += lanes[j]
-                out[t, r] = s
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _mv_q6_k(raw, d, x, out):
-    R, nb, T = raw.shape[0], d.shape[1], x.shape[0]
+def _matmul(raw, d, dmin, code, x, out):  # chunks of output rows in parallel, each row dotted with every token
+    R, T = raw.shape[0], x.shape[0]
     for it in prange((R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         lanes = np.empty(64, np.float32)
         for r in range(it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)):
-            row = raw[r]
-            sc = row.view(np.int8)
             for t in range(T):
-                for j in range(64):
-                    lanes[j] = 0
-                for b in range(nb):
-                    o = 210 * b
-                    for half in range(2):  # 128 values: 64 ql bytes (two nibbles each), 32 qh bytes (four 2-bit parts)
-                        lo_at, hi_at, xa, so = o + 64 * half, o + 128 + 32 * half, 256 * b + 128 * half, o + 192 + 8 * half
-                        for part in range(2):  # j < 16 and j >= 16: each 16 values of a sub-block has its scale
-                            s0 = d[r, b] * np.float32(sc[so + part])
-                            s1 = d[r, b] * np.float32(sc[so + 2 + part])
-                            s2 = d[r, b] * np.float32(sc[so + 4 + part])
-                            s3 = d[r, b] * np.float32(sc[so + 6 + part])
-                            for jj in range(16):
-                                j = 16 * part + jj
-                                l0, l1 = np.int32(row[lo_at + j]), np.int32(row[lo_at + 32 + j])
-                                h = np.int32(row[hi_at + j])
-                                q0 = ((l0 & 0xF) | ((h & 3) << 4)) - 32
-                                q1 = ((l1 & 0xF) | (((h >> 2) & 3) << 4)) - 32
-                                q2 = ((l0 >> 4) | (((h >> 4) & 3) << 4)) - 32
-                                q3 = ((l1 >> 4) | (((h >> 6) & 3) << 4)) - 32
-                                lanes[j] += s0 * np.float32(q0) * x[t, xa + j] + s2 * np.float32(q2) * x[t, xa + 64 + j]
-                                lanes[32 + j] += s1 * np.float32(q1) * x[t, xa + 32 + j] + s3 * np.float32(q3) * x[t, xa + 96 + j]
-                s = np.float32(0)
-                for j in range(64):
-                    s += lanes[j]
-                out[t, r] = s
+                if code == _Q8_0:
+                    out[t, r] = _dot_q8_0(raw, d, dmin, x, r, t, lanes)
+                elif code == _Q4_0:
+                    out[t, r] = _dot_q4_0(raw, d, dmin, x, r, t, lanes)
+                elif code == _Q5_0:
+                    out[t, r] = _dot_q5_0(raw, d, dmin, x, r, t, lanes)
+                elif code == _Q4_K:
+                    out[t, r] = _dot_q4_k(raw, d, dmin, x, r, t, lanes)
+                elif code == _Q5_K:
+                    out[t, r] = _dot_q5_k(raw, d, dmin, x, r, t, lanes)
+                else:
+                    out[t, r] = _dot_q6_k(raw, d, dmin, x, r, t, lanes)
 
 
 def matmul_direct(raw, d, dmin, code, x, out):  # (R, row bytes), (R, nb), (R, nb or 0), int, (T, in) f32, (T, R) f32
     """out[t, r] <- sum over row r's values w of w * x[t], reading each row's blocks straight from the integers."""
-    if code == _Q8_0:
-        _mv_q8_0(raw, d, x, out)
-    elif code == _Q4_0:
-        _mv_q4_0(raw, d, x, out)
-    elif code == _Q5_0:
-        _mv_q5_0(raw, d, x, out)
-    elif code == _Q4_K:
-        _mv_q4_k(raw, d, dmin, x, out)
-    elif code == _Q5_K:
-        _mv_q5_k(raw, d, dmin, x, out)
-    elif code == _Q6_K:
-        _mv_q6_k(raw, d, x, out)
-    else:
+    if code not in _BLOCK_CODES:
         raise ValueError(f"no direct product for type code {code}")
+    _matmul(raw, d, dmin, code, x, out)
 
 
 # ------------------------------------------------------------ F16 / BF16

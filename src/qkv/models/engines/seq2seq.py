@@ -36,7 +36,8 @@ from ...attention import scaled_dot_product_attention
 from ...cache import KVCache
 from .decoder import check_token_ids
 from ..errors import ModelError
-from .functional import ACTIVATIONS, layer_norm, rms_norm
+from .config import ModelConfig
+from .functional import ACTIVATIONS
 
 __all__ = ["Seq2SeqConfig", "Attention", "Seq2SeqLayer", "Seq2SeqLM", "Seq2SeqCache", "Seq2SeqOutput", "Seq2SeqGenerateOutput"]
 
@@ -47,57 +48,44 @@ MAX_BEAMS = 256
 MAX_LENGTH_PENALTY = 10.0
 
 
-@dataclass(frozen=True)
-class Seq2SeqConfig:
-    """What an encoder-decoder family is, as data.
+@dataclass(frozen=True, kw_only=True)
+class Seq2SeqConfig(ModelConfig):
+    """What an encoder-decoder family is, as data: :class:`~qkv.models.engines.config.ModelConfig`'s
+    fields (family, V, E, H, D, norm, activation, query_scale, ...) and these.
 
+    ``ffn_size``: F; ``gated_ffn``: ``out(act(gate(x)) * in(x))`` (T5 v1.1, Flan-T5).
     ``position``: ``"t5"`` (a learned bias per head and relative-position bucket, added to the scores of
-    each stack's self-attention), ``"learned"`` (a table added to the embeddings, BART: its rows start at
-    ``position_offset``) or ``"sinusoidal"`` (Marian: computed). ``query_scale``: the factor on the
-    scores (T5: 1, no 1/sqrt(D)). ``output_scale``: the factor on the decoder's output before the LM head
-    (T5 with tied embeddings: E^-1/2). ``pre_norm``: each block is ``x + f(norm(x))`` (T5); False:
-    ``norm(x + f(x))`` (BART, Marian). ``forced_eos_token_id``: the last token generation may write is this one (BART: EOS).
+    each stack's self-attention; ``num_buckets``, ``max_distance``), ``"learned"`` (a table added to the
+    embeddings, BART: its rows start at ``position_offset``) or ``"sinusoidal"`` (Marian: computed).
+    ``output_scale``: the factor on the decoder's output before the LM head (T5 with tied embeddings:
+    E^-1/2). ``pre_norm``: each block is ``x + f(norm(x))`` (T5); False: ``norm(x + f(x))`` (BART,
+    Marian). ``embed_norm``: a norm of the embeddings (BART). ``forced_eos_token_id``: the last token
+    generation may write is this one (BART: EOS).
     """
 
-    family: str
-    vocab_size: int
-    hidden_size: int
-    num_heads: int
-    head_dim: int
     ffn_size: int
     encoder_layers: int
     decoder_layers: int
-    norm: str = "rms"
-    norm_eps: float = 1e-6
     activation: str = "relu"
     gated_ffn: bool = False
-    query_scale: float = 1.0
     position: str = "t5"
     num_buckets: int = 32
     max_distance: int = 128
-    tie_embeddings: bool = True
     output_scale: float = 1.0
     decoder_start_token_id: int = 0
     eos_token_id: int | None = 1
     pad_token_id: int | None = 0
     pre_norm: bool = True
-    embed_scale: float = 1.0
     position_offset: int = 0
-    max_positions: int | None = None
     embed_norm: bool = False
     forced_eos_token_id: int | None = None
 
+    SIZES = ModelConfig.SIZES + ("ffn_size", "encoder_layers", "decoder_layers")
+
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_heads", "head_dim", "ffn_size", "encoder_layers", "decoder_layers"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ModelError(f"{self.family}: {name} should be a positive integer, got {v!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ModelError(f"{self.family}: activation {self.activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-        if self.norm not in ("rms", "layer"):
-            raise ModelError(f"{self.family}: norm should be 'rms' or 'layer', got {self.norm!r}")
+        super().__post_init__()
         if self.position not in ("t5", "learned", "sinusoidal"):
-            raise ModelError(f"{self.family}: position should be 't5', 'learned' or 'sinusoidal', got {self.position!r}")
+            self._error(f"position should be 't5', 'learned' or 'sinusoidal', got {self.position!r}")
 
 
 @dataclass
@@ -263,11 +251,6 @@ class Seq2SeqLM:
         return f"Seq2SeqLM({self.name!r}, family={c.family!r}, layers={c.encoder_layers}+{c.decoder_layers}, hidden={c.hidden_size}, heads={c.num_heads}x{c.head_dim}, vocab={c.vocab_size})"
 
     # ------------------------------------------------------------------ pieces
-    def _norm(self, x, w):
-        if self.config.norm == "rms":
-            return rms_norm(x, w[0], self.config.norm_eps)
-        return layer_norm(x, w[0], w[1], self.config.norm_eps)
-
     def _heads(self, x, w, b):  # (B, L, E) -> (B, H, L, D)
         B, L, _ = x.shape
         y = x @ w.T
@@ -310,15 +293,15 @@ class Seq2SeqLM:
                 raise ValueError(f"{what} would reach {start + L} tokens, past this model's {c.max_positions or len(table) - c.position_offset} positions")
             h += table[c.position_offset + start : c.position_offset + start + L]
         if norm is not None:
-            h = self._norm(h, norm)
+            h = self.config.normalize(h, norm)
         return h
 
     def _block(self, h, norm, f):  # pre-norm: h + f(norm(h)); post-norm: norm(h + f(h))
         if self.config.pre_norm:
-            h += f(self._norm(h, norm))
+            h += f(self.config.normalize(h, norm))
             return h
         h += f(h)
-        return self._norm(h, norm)
+        return self.config.normalize(h, norm)
 
     def _bias(self, table, query_pos, key_pos, bidirectional):  # -> (1, H, L, S) float32, or None
         if table is None:
@@ -356,7 +339,7 @@ class Seq2SeqLM:
 
             h = self._block(h, layer.self_norm, attend)
             h = self._block(h, layer.ffn_norm, lambda a: self._ffn(layer, a))
-        out = h if self.encoder_norm is None else self._norm(h, self.encoder_norm)
+        out = h if self.encoder_norm is None else self.config.normalize(h, self.encoder_norm)
         return (out, tuple(seen)) if output_attentions else out
 
     def _source_keep(self, attention_mask, shape):
@@ -406,7 +389,7 @@ class Seq2SeqLM:
             h = self._block(h, layer.cross_norm, cross_attend)
             h = self._block(h, layer.ffn_norm, lambda a, layer=layer: self._ffn(layer, a))
         if self.decoder_norm is not None:
-            h = self._norm(h, self.decoder_norm)
+            h = self.config.normalize(h, self.decoder_norm)
         if self.config.output_scale != 1.0:
             h *= np.float32(self.config.output_scale)
         logits = h @ self.lm_head.T  # (B, T, V)

@@ -22,6 +22,20 @@ __all__ = ["regular_file", "read_json", "FieldReader", "MAX_JSON_BYTES"]
 MAX_JSON_BYTES = 64 << 20  #: config and tokenizer JSON larger than this is not a model's
 
 
+def model_path(path, default, *, accepts: str, install: str) -> Path:
+    """``path`` as a Path, or the installed default (``default()``) when it is None.
+
+    ``accepts`` says what a model path may be ("a model directory"); ``install`` how to get the
+    default. No default installed, or an empty path, is a :class:`ModelError` saying both."""
+    if path is None:
+        path = default()
+        if path is None:
+            raise ModelError(f"no model given and the default is not installed: pass {accepts}, or {install}")
+    if isinstance(path, str) and not path.strip():
+        raise ModelError(f"the model path is empty: pass {accepts}")
+    return Path(path)
+
+
 def regular_file(path: Path, what: str = "", *, max_bytes: int | None = None) -> Path:
     """``path`` if it is a readable regular file (a link to one is fine), else a :class:`ModelError`.
 

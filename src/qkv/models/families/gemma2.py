@@ -12,12 +12,10 @@
 
 from __future__ import annotations
 
-import math
-
 from ..engines.decoder import DecoderConfig
 from ..errors import ModelError
 from ..formats import metadata
-from .gemma3 import weights_from_hf
+from .gemma3 import gemma_fields, weights_from_hf
 from . import hf_loader
 
 __all__ = ["config_from_hf", "from_hf"]
@@ -39,15 +37,9 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
         family="gemma2",
         vocab_size=get("vocab_size", int),
         **m.decoder_fields(),
-        activation=get("hidden_activation", str, "gelu_pytorch_tanh"),
+        **gemma_fields(get, m),
         rope_bases=(m.rope_base,) * n,
         windows=windows,
-        max_positions=m.max_positions,
-        query_scale=get("query_pre_attn_scalar", float, m.head_dim) ** -0.5,
-        sandwich_norm=True,
-        embed_scale=math.sqrt(m.hidden_size),
-        tie_embeddings=get("tie_word_embeddings", bool, True),
-        final_logit_softcap=get("final_logit_softcapping", float, None),
         attn_softcap=get("attn_logit_softcapping", float, None),
     )
 

@@ -114,17 +114,21 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
         family="gemma3",
         vocab_size=get("vocab_size", int),
         **m.decoder_fields(),
-        activation=get("hidden_activation", str, "gelu_pytorch_tanh"),
+        **gemma_fields(get, m),
         rope_bases=tuple(local_base if w else full_base for w in windows),
         windows=windows,
-        max_positions=m.max_positions,
-        query_scale=get("query_pre_attn_scalar", float, m.head_dim) ** -0.5,
         qk_norm=True,
-        sandwich_norm=True,
-        embed_scale=math.sqrt(m.hidden_size),
-        tie_embeddings=get("tie_word_embeddings", bool, True),
-        final_logit_softcap=get("final_logit_softcapping", float, None),
     )
+
+
+def gemma_fields(get, m: metadata.LlamaLike) -> dict:
+    """The :class:`DecoderConfig` fields Gemma 2 and 3 read alike from a config.json: GELU (tanh), scores
+    scaled by ``query_pre_attn_scalar ** -0.5``, norms around attention and MLP, embeddings times sqrt(E),
+    a tied head, the final logits' softcap."""
+    return dict(activation=get("hidden_activation", str, "gelu_pytorch_tanh"), max_positions=m.max_positions,
+                query_scale=get("query_pre_attn_scalar", float, m.head_dim) ** -0.5, sandwich_norm=True,
+                embed_scale=math.sqrt(m.hidden_size), tie_embeddings=get("tie_word_embeddings", bool, True),
+                final_logit_softcap=get("final_logit_softcapping", float, None))  # fmt: skip
 
 
 def weights_from_hf(t, cfg: DecoderConfig) -> DecoderWeights:

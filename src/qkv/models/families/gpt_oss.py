@@ -23,6 +23,7 @@ import numpy as np
 from ...rope import yarn_frequencies
 from ..engines.decoder import DecoderConfig, DecoderLayer, DecoderWeights
 from ..errors import ModelError
+from ..formats import metadata
 from ..engines.moe import MoE
 
 __all__ = ["config_from_hf", "weights_from_hf"]
@@ -30,23 +31,18 @@ __all__ = ["config_from_hf", "weights_from_hf"]
 
 def config_from_hf(c: dict, source: str, get):
     """A ``gpt_oss`` config.json -> ``(DecoderConfig, moe settings)``."""
-    n = get("num_hidden_layers", int)
-    E = get("hidden_size", int)
-    H = get("num_attention_heads", int)
-    D = get("head_dim", int, E // H if H else 0)
-    window = get("sliding_window", int, None)
-    types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
-        raise ModelError(f"{source}: layer_types should list 'sliding_attention' or 'full_attention' for each of the {n} layers, got {types!r}")
+    m = metadata.from_hf(c, get, norm_eps=1e-5, rope_base=150000.0)
+    n, D = m.num_layers, m.head_dim
+    # Sliding and full layers alternate, the sliding ones first, when the config lists none.
+    windows = metadata.layer_windows(c, source, n, m.window, ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
     rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         raise ModelError(f"{source}: rope_parameters should be an object, got {rp!r}")
-    base = get("rope_theta", float, rp.get("rope_theta", 150000.0))
     kind = rp.get("rope_type", rp.get("type", "default"))
     freqs, factor = None, 1.0
     if kind == "yarn":
         try:
-            f, factor = yarn_frequencies(D, base, float(rp["factor"]), int(rp["original_max_position_embeddings"]), beta_fast=float(rp.get("beta_fast") or 32),
+            f, factor = yarn_frequencies(D, m.rope_base, float(rp["factor"]), int(rp["original_max_position_embeddings"]), beta_fast=float(rp.get("beta_fast") or 32),
                                          beta_slow=float(rp.get("beta_slow") or 1), truncate=bool(rp.get("truncate", True)), attention_factor=rp.get("attention_factor"))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"{source}: rope_parameters for yarn are incomplete or invalid ({exc!r})") from None
@@ -56,19 +52,10 @@ def config_from_hf(c: dict, source: str, get):
     cfg = DecoderConfig(
         family="gpt_oss",
         vocab_size=get("vocab_size", int),
-        hidden_size=E,
-        num_layers=n,
-        num_heads=H,
-        num_kv_heads=get("num_key_value_heads", int, H),
-        head_dim=D,
-        intermediate_size=get("intermediate_size", int),
-        norm="rms",
-        norm_eps=get("rms_norm_eps", float, 1e-5),
+        **m.decoder_fields(),
         activation="silu",  # unused: the experts' activation is the clamped SwiGLU
-        gated_mlp=True,
-        rope=True,
-        rope_bases=(base,) * n,
-        windows=tuple(window if t == "sliding_attention" else None for t in types),
+        rope_bases=(m.rope_base,) * n,
+        windows=windows,
         max_positions=None,
         query_scale=D**-0.5,
         tie_embeddings=get("tie_word_embeddings", bool, False),

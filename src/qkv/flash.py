@@ -480,15 +480,20 @@ def _attend_compiled(qx, kx, vx, m, total, acc, segments, i0, n, G, offset, wind
                 scratch("ys", (width,), dt), scratch("bits", (width,), ints), scratch("lo", (rows,), np.int64), scratch("hi", (rows,), np.int64))  # fmt: skip
 
 
-def _mod_keep(var, idx, G, n, m, partial):
-    """The mask mod's (G, n, m) keep-mask of a run: evaluated on its partial tiles only (full ones are True)."""
+def _with_mods(keep, var, bflat, hk, G, i0, i1, j0, j1, n, partial):
+    """A tile's keep-mask (``keep``: the window's and mask's) and the mask mod's, and the variants'
+    index of the tile (None without variants). The mod is evaluated on the partial tiles only (the
+    block mask says the others are full)."""
+    if var is None:
+        return keep, None
+    idx = var.tile(bflat, hk, G, i0, i1, j0, j1)
     if not partial:
-        return None
-    keep = np.ones((G, n, m), bool)
+        return keep, idx
+    mod = np.ones((G, n, j1 - j0), bool)
     b, h, q, kv = idx
     for c0, c1 in partial:
-        keep[:, :, c0:c1] = var.keep((b, h, q, kv[c0:c1]), (G, n, c1 - c0))
-    return keep
+        mod[:, :, c0:c1] = var.keep((b, h, q, kv[c0:c1]), (G, n, c1 - c0))
+    return (mod if keep is None else keep & mod), idx
 
 
 def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int | None = None, block_q: int | None = None, block_k: int | None = None, kernel: str | None = None):
@@ -578,10 +583,7 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
             keep = _visible_keep(mask, None, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset)  # the mask's part
             if keep is False:
                 continue
-            idx = None if var is None else var.tile(bflat, hk, G, i0, i1, j0, j1)
-            mod = None if var is None else _mod_keep(var, idx, G, n, j1 - j0, partial)
-            if mod is not None:
-                keep = mod if keep is None else keep & mod
+            keep, idx = _with_mods(keep, var, bflat, hk, G, i0, i1, j0, j1, n, partial)
             # The window's part: where it shows the block only in part, each row's span of keys
             # (the step reads nothing else), and the products in slices over the keys they may see.
             span = None
@@ -733,10 +735,7 @@ def tiled_attention_backward(p, out, lse, d_out, *, dropout_p: float = 0.0, drop
                 keep = _visible_keep(mask, window, nd, nb, G, bidx, hk, i0, i1, j0, j1, offset, bands)
                 if keep is False:
                     continue
-                idx = None if var is None else var.tile(bflat, hk, G, i0, i1, j0, j1)
-                mod = None if var is None else _mod_keep(var, idx, G, n, j1 - j0, partial)
-                if mod is not None:
-                    keep = mod if keep is None else keep & mod
+                keep, idx = _with_mods(keep, var, bflat, hk, G, i0, i1, j0, j1, n, partial)
                 kb, vb = kb_all[j0:j1], vb_all[j0:j1]
                 s = qs @ kb.T  # (rows, cols)
                 s3 = s.reshape(G, n, j1 - j0)

@@ -24,6 +24,7 @@ from ...rope import yarn_frequencies
 from ..engines.decoder import DecoderConfig, DecoderLayer, DecoderWeights
 from ..errors import ModelError
 from ..formats import metadata
+from .llama import attention_from_hf
 from ..engines.moe import MoE
 
 __all__ = ["config_from_hf", "weights_from_hf"]
@@ -72,7 +73,7 @@ def config_from_hf(c: dict, source: str, get):
 
 def weights_from_hf(t, cfg: DecoderConfig, moe: dict):
     """``(embed, layers, final_norm, lm_head)``; ``t(name, shape)`` reads a tensor."""
-    E, F, D, H, Hk, X = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, moe["experts"]
+    E, F, H, X = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, moe["experts"]
     bias = moe["bias"]
     layers = []
     for i in range(cfg.num_layers):
@@ -82,10 +83,7 @@ def weights_from_hf(t, cfg: DecoderConfig, moe: dict):
         layers.append(
             DecoderLayer(
                 attn_norm=(t(p + "input_layernorm.weight", (E,)), None),
-                w_qkv=np.concatenate([t(a + "q_proj.weight", (H * D, E)), t(a + "k_proj.weight", (Hk * D, E)), t(a + "v_proj.weight", (Hk * D, E))]),
-                b_qkv=np.concatenate([t(a + "q_proj.bias", (H * D,)), t(a + "k_proj.bias", (Hk * D,)), t(a + "v_proj.bias", (Hk * D,))]) if bias else None,
-                w_out=t(a + "o_proj.weight", (E, H * D)),
-                b_out=t(a + "o_proj.bias", (E,)) if bias else None,
+                **attention_from_hf(t, a, cfg, qkv_bias=bias, out_bias=bias),
                 mlp_norm=(t(p + "post_attention_layernorm.weight", (E,)), None),
                 w_up=None,
                 b_up=None,

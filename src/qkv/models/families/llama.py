@@ -17,7 +17,7 @@ from ..formats import metadata
 from ..formats.quants import permute_rows, stack
 from . import gguf_loader, hf_loader
 
-__all__ = ["config_from_hf", "weights_from_hf", "config_from_gguf", "weights_from_gguf", "from_hf", "from_gguf"]
+__all__ = ["config_from_hf", "weights_from_hf", "attention_from_hf", "config_from_gguf", "weights_from_gguf", "from_hf", "from_gguf"]
 
 
 
@@ -50,9 +50,22 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
     )
 
 
+def attention_from_hf(t, a: str, cfg: DecoderConfig, *, qkv_bias: bool, out_bias: bool) -> dict:
+    """A block's attention under the names Llama's family uses (``{a}q_proj.weight``, ...), as
+    :class:`DecoderLayer` fields: q, k and v stacked into ``w_qkv``; their biases if ``qkv_bias``,
+    o's if ``out_bias``."""
+    E, D, H, Hk = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    return dict(
+        w_qkv=np.concatenate([t(a + "q_proj.weight", (H * D, E)), t(a + "k_proj.weight", (Hk * D, E)), t(a + "v_proj.weight", (Hk * D, E))]),
+        b_qkv=np.concatenate([t(a + "q_proj.bias", (H * D,)), t(a + "k_proj.bias", (Hk * D,)), t(a + "v_proj.bias", (Hk * D,))]) if qkv_bias else None,
+        w_out=t(a + "o_proj.weight", (E, H * D)),
+        b_out=t(a + "o_proj.bias", (E,)) if out_bias else None,
+    )
+
+
 def weights_from_hf(t, cfg: DecoderConfig) -> DecoderWeights:
     """The weights of a Hugging Face checkpoint; ``t(name, shape)`` reads a tensor."""
-    E, F, D, H, Hk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     bias_all = cfg.attention_bias
     qkv_bias = cfg.family == "qwen2" or bias_all
     layers = []
@@ -62,10 +75,7 @@ def weights_from_hf(t, cfg: DecoderConfig) -> DecoderWeights:
         layers.append(
             DecoderLayer(
                 attn_norm=(t(p + "input_layernorm.weight", (E,)), None),
-                w_qkv=np.concatenate([t(a + "q_proj.weight", (H * D, E)), t(a + "k_proj.weight", (Hk * D, E)), t(a + "v_proj.weight", (Hk * D, E))]),
-                b_qkv=np.concatenate([t(a + "q_proj.bias", (H * D,)), t(a + "k_proj.bias", (Hk * D,)), t(a + "v_proj.bias", (Hk * D,))]) if qkv_bias else None,
-                w_out=t(a + "o_proj.weight", (E, H * D)),
-                b_out=t(a + "o_proj.bias", (E,)) if bias_all else None,
+                **attention_from_hf(t, a, cfg, qkv_bias=qkv_bias, out_bias=bias_all),
                 mlp_norm=(t(p + "post_attention_layernorm.weight", (E,)), None),
                 w_up=np.concatenate([t(p + "mlp.gate_proj.weight", (F, E)), t(p + "mlp.up_proj.weight", (F, E))]),
                 b_up=None,

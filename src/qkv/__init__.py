@@ -26,7 +26,7 @@ go in ``bias=``. The functional core puts heads before the sequence,
 (2, 2, 4, 4)
 """
 
-from . import masks, mods
+from . import masks, mods, threads
 from .cache import KVCache, PagedKVCache
 from .attention import attention_weights, merge_attention, scaled_dot_product_attention
 from .attention_vjp import AttentionGrads, scaled_dot_product_attention_vjp
@@ -37,6 +37,7 @@ from .positional import sinusoidal_position_encoding
 from .rope import apply_rope
 from .softmax import logsumexp, logsumexp_vjp, softmax, softmax_vjp
 from .text import Embedding, Vocabulary, tokenize
+from .threads import get_num_threads, set_num_threads
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "Vocabulary",
     "apply_rope",
     "attention_weights",
+    "get_num_threads",
     "logsumexp",
     "masks",
     "memory_estimate",
@@ -58,6 +60,7 @@ __all__ = [
     "merge_heads",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",
+    "set_num_threads",
     "sinusoidal_position_encoding",
     "softmax",
     "softmax_vjp",
@@ -65,3 +68,17 @@ __all__ = [
     "split_heads",
     "tokenize",
 ]
+
+
+def _threads_from_environment() -> None:
+    # QKV_NUM_THREADS holds for BLAS from the start, as --threads does (qkv's pool and numba's loops read it when they run).
+    import os
+
+    if os.environ.get(threads.ENV, "").strip():
+        try:
+            threads._apply_blas()
+        except ValueError:
+            pass  # a bad value is reported, naming the variable, where the count is first used
+
+
+_threads_from_environment()

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["default_workers", "check_workers", "interrupted", "run_all", "scratch", "split_runs"]
+__all__ = ["blas_one_thread", "default_workers", "check_workers", "interrupted", "run_all", "scratch", "split_runs"]
 
 _lock = threading.Lock()
 _local = threading.local()
@@ -27,11 +27,10 @@ _controller = None  # threadpoolctl.ThreadpoolController, made once (it scans th
 
 
 def default_workers() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    """The threads qkv's policy gives (:func:`qkv.threads.get_num_threads`: ``--threads``, ``QKV_NUM_THREADS``, or the cores)."""
+    from .threads import get_num_threads
+
+    return get_num_threads()
 
 
 _pinned = 0  # how many run_all calls are inside the pinned section right now
@@ -39,15 +38,8 @@ _restore = None  # threadpoolctl's limiter of the first of them: restores BLAS w
 
 
 def _have_threadpoolctl() -> bool:
-    global _controller
-    try:
-        import threadpoolctl
-    except ImportError:
-        return False
     with _lock:
-        if _controller is None:
-            _controller = threadpoolctl.ThreadpoolController()
-    return True
+        return _have_threadpoolctl_locked()
 
 
 _controlled: set = set()  # modules whose BLAS the controller was (re)made to see
@@ -73,6 +65,8 @@ def control_blas_of(module: str) -> None:
         if _restore is not None:  # inside a pinned run_all already: pin the new library as well
             _controller = __import__("threadpoolctl").ThreadpoolController()
             _controller.limit(limits=1, user_api="blas")
+    if _restore is None and _blas_target is not None:
+        set_blas_threads(_blas_target)  # the policy's count, in the library just loaded too
 
 
 def _take_blas_control() -> None:
@@ -99,6 +93,49 @@ def _release_blas_control() -> None:
         return
     if hasattr(OpenBLASController, "clear_controlling_thread"):
         OpenBLASController.clear_controlling_thread()
+
+
+_blas_target: int | None = None  # the policy's BLAS threads (None: BLAS's own default)
+_blas_default = None  # threadpoolctl's limiter that set _blas_target: restores BLAS's own default
+
+
+def set_blas_threads(n: int | None) -> None:
+    """BLAS's threads outside the pool: ``n``, or BLAS's own default for None (:mod:`qkv.threads` calls it).
+
+    Inside a pinned :func:`run_all`, the count is kept and set when the last one leaves."""
+    global _blas_target, _blas_default
+    with _lock:
+        _blas_target = n
+        if _pinned or not _have_threadpoolctl_locked():
+            return
+        _take_blas_control()
+        if _blas_default is not None:
+            _blas_default.restore_original_limits()
+            _blas_default = None
+        if n is not None:
+            _blas_default = _controller.limit(limits=n, user_api="blas")
+        _release_blas_control()
+
+
+def _have_threadpoolctl_locked() -> bool:
+    global _controller
+    try:
+        import threadpoolctl
+    except ImportError:
+        return False
+    if _controller is None:
+        _controller = threadpoolctl.ThreadpoolController()
+    return True
+
+
+@contextlib.contextmanager
+def blas_one_thread():
+    """BLAS on one thread inside (products too small to share out); without threadpoolctl, nothing changes."""
+    if not _have_threadpoolctl():
+        yield
+        return
+    with _blas_pinned():
+        yield
 
 
 @contextlib.contextmanager
@@ -145,11 +182,11 @@ def _pool(n: int) -> ThreadPoolExecutor:
 def _after_fork_in_child() -> None:
     # A forked child inherits the pool object but none of its threads, and maybe a lock held by a
     # thread that does not exist there: start from nothing.
-    global _lock, _local, _pool_obj, _pool_size, _pinned, _restore
+    global _lock, _local, _pool_obj, _pool_size, _pinned, _restore, _blas_default
     _lock = threading.Lock()
     _local = threading.local()
     _pool_obj, _pool_size = None, 0
-    _pinned, _restore = 0, None
+    _pinned, _restore, _blas_default = 0, None, None
 
 
 if hasattr(os, "register_at_fork"):

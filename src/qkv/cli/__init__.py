@@ -12,12 +12,14 @@ This module builds the parser and runs a command with one error handler.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
 
 from pathlib import Path
 
+from ..threads import ENV, get_num_threads, set_num_threads
 from .common import CLIError, DECODER_NAME, DEFAULT_TEXT, ENCODER_NAME, MAX_TABLE_TOKENS
 from .demo import cmd_demo
 from .embed import cmd_embed, cmd_search
@@ -148,7 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--out", default="qkv-train", help="folder for the pictures and weights (default ./qkv-train/)")
     trn.add_argument("--json", action="store_true", help="print the final metrics as JSON (progress goes to stderr)")
     trn.set_defaults(func=cmd_train)
+    for command in sub.choices.values():  # one threading policy, on every command
+        command.add_argument("--threads", type=_thread_count, metavar="N", help=f"compute on N threads (default: ${ENV}, else every core this process may use)")
     return parser
+
+
+def _thread_count(text: str) -> int:
+    """``--threads``'s value: a positive integer, or argparse's error naming the option."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"should be a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"should be at least 1, got {n}")
+    return n
 
 
 #: What :func:`main` returns when Ctrl-C stopped the command (128 + SIGINT, a shell's status for it).
@@ -183,8 +198,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = _parse(parser, argv)
     try:
-        with warnings.catch_warnings():
+        threads = getattr(args, "threads", None)
+        with warnings.catch_warnings(), set_num_threads(threads) if threads else contextlib.nullcontext():
             warnings.showwarning = _one_line_warning
+            get_num_threads()  # a bad QKV_NUM_THREADS is said before any work
             return args.func(args)
     except KeyboardInterrupt as exc:
         print("\nqkv: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..._parallel import check_workers, default_workers, run_all, scratch, split_runs
+from ..._parallel import check_workers, run_all, scratch, split_runs
 from ...attention import scaled_dot_product_attention, unchecked_attention
 from ...layers import MultiHeadAttention
 from ..errors import ModelError
@@ -154,7 +154,7 @@ class BertModel:
 
     def __init__(self, config: BertConfig, embeddings: dict, layers: list[_Layer], *, workers: int | None = None):
         self.config = config
-        self.workers = default_workers() if workers is None else workers
+        self.workers = workers  # None: qkv's threading policy at each call (qkv.set_num_threads)
         self.word, self.position, self.token_type = embeddings["word"], embeddings["position"], embeddings["token_type"]
         self.ln_emb = embeddings["ln"]
         self.layers = layers
@@ -244,7 +244,7 @@ class BertModel:
         cost about as much as 1,000 scores at BERT's sizes).
         """
         lengths = np.asarray(lengths)
-        return split_runs(lengths + lengths.astype(np.float64) ** 2 / 1000, self.workers if workers is None else workers)
+        return split_runs(lengths + lengths.astype(np.float64) ** 2 / 1000, check_workers(self.workers if workers is None else workers))
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, output_hidden_states: bool = False, output_attentions: bool = False, workers: int | None = None) -> BertOutput:
         """Encode a batch of token ids.
@@ -268,7 +268,7 @@ class BertModel:
         BertOutput
         """
         ids, real, types = self._check(input_ids, attention_mask, token_type_ids)
-        workers = self.workers if workers is None else check_workers(workers)
+        workers = check_workers(self.workers if workers is None else workers)
         parts = self.shares(real.sum(axis=1), workers)
         if len(parts) == 1:
             return self._forward(ids, real, types, workers, output_hidden_states, output_attentions)

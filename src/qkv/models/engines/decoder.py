@@ -25,6 +25,7 @@ Weights are kept as the checkpoints store them, ``(out, in)``, and used as
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..._checks import as_rng
-from ..._parallel import scratch
+from ..._parallel import blas_one_thread, scratch
 from ...attention import scaled_dot_product_attention
 from ...cache import KVCache
 from ...mods import alibi_slopes
@@ -41,6 +42,9 @@ from ..errors import ModelError
 from .config import ModelConfig
 from .functional import ACTIVATIONS, rms_norm
 from ..formats.quants import matmul
+
+#: Up to this many tokens a forward pass runs BLAS on one thread (decode steps, batched ones too).
+SMALL_STEP_TOKENS = 8
 
 __all__ = ["DecoderConfig", "DecoderLayer", "CausalLM", "CausalLMOutput", "GenerateOutput"]
 
@@ -343,6 +347,12 @@ class CausalLM:
             (:meth:`__call__` drops it).
         """
         ids, _ = self._ids(input_ids)
+        # A few tokens (a decode step): every product is small, so BLAS runs on one thread (threaded,
+        # its threads spin between calls; with one core taken by another program a step got 13x slower).
+        with blas_one_thread() if ids.size <= SMALL_STEP_TOKENS else contextlib.nullcontext():
+            return self._forward(ids, cache, attention_mask, output_attentions, output_hidden_states, logits_to_keep)
+
+    def _forward(self, ids, cache, attention_mask, output_attentions, output_hidden_states, logits_to_keep) -> CausalLMOutput:
         cfg = self.config
         B, L = ids.shape
         start = 0 if cache is None else len(cache)

@@ -38,9 +38,9 @@ Q6_K   256    210     (d * sc_s) * (q - 32), 16 sub-blocks with int8 sc, 6-bit q
 
 from __future__ import annotations
 
-
 import numpy as np
 
+from ...threads import use_numba_threads
 from ..errors import ModelError
 
 __all__ = ["QuantizedMatrix", "StackedMatrix", "stack", "permute_rows", "matmul", "SUPPORTED", "BLOCKS", "dequantize_rows", "kernel_available"]
@@ -184,6 +184,8 @@ class QuantizedMatrix:
         """out <- rows ``raw`` (those of ``idx``, or all) as float32, by the compiled decoders."""
         from . import quant_kernels as qk
 
+        if parallel:
+            use_numba_threads()
         if self.qtype in ("F16", "BF16"):
             qk.dequantize_lut_into(raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, out, parallel=parallel)
             return
@@ -212,6 +214,7 @@ class QuantizedMatrix:
             from . import quant_kernels as qk
 
             out = np.empty((T, self.shape[0]), np.float32)
+            use_numba_threads()
             if self.qtype in ("F16", "BF16"):
                 qk.matmul_lut(self.raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, x2, out)
             else:

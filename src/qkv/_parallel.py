@@ -19,6 +19,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import threads
+from .threads import get_num_threads
+
 __all__ = ["blas_one_thread", "default_workers", "check_workers", "interrupted", "run_all", "scratch", "split_runs"]
 
 _lock = threading.Lock()
@@ -28,8 +31,6 @@ _controller = None  # threadpoolctl.ThreadpoolController, made once (it scans th
 
 def default_workers() -> int:
     """The threads qkv's policy gives (:func:`qkv.threads.get_num_threads`: ``--threads``, ``QKV_NUM_THREADS``, or the cores)."""
-    from .threads import get_num_threads
-
     return get_num_threads()
 
 
@@ -309,3 +310,6 @@ def split_runs(costs, parts: int, *, slack: float = 1.15) -> list[slice]:  # (N,
     runs = [slice(a, b) for a, b in zip(edges, edges[1:])]
     work = np.diff(np.concatenate([[0.0], cost[[r.stop - 1 for r in runs]]]))
     return runs if len(runs) == n and work.max() <= slack * cost[-1] / n else [slice(0, len(cost))]
+
+
+threads._blas_setters.append(set_blas_threads)

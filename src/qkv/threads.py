@@ -42,6 +42,7 @@ __all__ = ["get_num_threads", "set_num_threads", "available_cores", "ENV"]
 ENV = "QKV_NUM_THREADS"
 
 _lock = threading.Lock()
+_blas_setters: list = []  # qkv._parallel.set_blas_threads, registered when it loads
 _chosen: int | None = None  # set_num_threads's value (None: the environment's or the default)
 
 
@@ -126,10 +127,11 @@ class set_num_threads:
 
 
 def _apply_blas() -> None:
-    """BLAS's own threads at the chosen count (threadpoolctl; nothing without it, or while the pool pins BLAS)."""
-    from . import _parallel
+    """BLAS's own threads at the chosen count (threadpoolctl; nothing without it, or while the pool pins BLAS).
 
-    _parallel.set_blas_threads(None if _chosen is None and _from_env() is None else get_num_threads())
+    The pool module registers how (``_blas_setters``): it imports this one, never the other way."""
+    for setter in _blas_setters:
+        setter(None if _chosen is None and _from_env() is None else get_num_threads())
 
 
 _local = threading.local()  # per thread: the count last given to numba (numba keeps it per calling thread)

@@ -151,3 +151,14 @@ def test_every_command_takes_threads():
     assert r.returncode == 2 and "argument --threads: should be at least 1, got 0" in r.stderr
     r = _run(["-m", "qkv", "demo"], {threads.ENV: "abc"})
     assert r.returncode == 2 and "QKV_NUM_THREADS should be a positive integer, got 'abc'" in r.stderr
+
+
+def test_a_count_set_while_the_pool_pins_blas_holds_after():
+    original = blas_threads()
+    try:
+        with qkv.set_num_threads(2):
+            _parallel.run_all([lambda: qkv.set_num_threads(1), lambda: None])  # set inside the pinned section
+            assert blas_threads() == {1}  # applied when the pool let BLAS go, not lost to the pin's restore
+    finally:
+        qkv.set_num_threads(None)
+    assert blas_threads() == original

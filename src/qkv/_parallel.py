@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -20,18 +19,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import threads
-from .threads import get_num_threads
+from .threads import check_count, get_num_threads
 
-__all__ = ["blas_one_thread", "default_workers", "check_workers", "interrupted", "run_all", "scratch", "split_runs"]
+__all__ = ["blas_one_thread", "check_workers", "interrupted", "run_all", "scratch", "split_runs"]
 
 _lock = threading.Lock()
 _local = threading.local()
 _controller = None  # threadpoolctl.ThreadpoolController, made once (it scans the loaded libraries)
-
-
-def default_workers() -> int:
-    """The threads qkv's policy gives (:func:`qkv.threads.get_num_threads`: ``--threads``, ``QKV_NUM_THREADS``, or the cores)."""
-    return get_num_threads()
 
 
 _pinned = 0  # how many run_all calls are inside the pinned section right now
@@ -98,24 +92,33 @@ def _release_blas_control() -> None:
 
 _blas_target: int | None = None  # the policy's BLAS threads (None: BLAS's own default)
 _blas_default = None  # threadpoolctl's limiter that set _blas_target: restores BLAS's own default
+_blas_pending = False  # _blas_target changed while the pool pinned BLAS: set it when the last pin leaves
 
 
 def set_blas_threads(n: int | None) -> None:
     """BLAS's threads outside the pool: ``n``, or BLAS's own default for None (:mod:`qkv.threads` calls it).
 
     Inside a pinned :func:`run_all`, the count is kept and set when the last one leaves."""
-    global _blas_target, _blas_default
+    global _blas_target, _blas_pending
     with _lock:
         _blas_target = n
-        if _pinned or not _have_threadpoolctl_locked():
-            return
-        _take_blas_control()
-        if _blas_default is not None:
-            _blas_default.restore_original_limits()
-            _blas_default = None
-        if n is not None:
-            _blas_default = _controller.limit(limits=n, user_api="blas")
-        _release_blas_control()
+        if _pinned:
+            _blas_pending = True
+        elif _have_threadpoolctl_locked():
+            _take_blas_control()
+            _limit_blas_locked()
+            _release_blas_control()
+
+
+def _limit_blas_locked() -> None:
+    """BLAS at ``_blas_target`` (under ``_lock``, with BLAS control taken, outside any pin)."""
+    global _blas_default, _blas_pending
+    if _blas_default is not None:
+        _blas_default.restore_original_limits()
+        _blas_default = None
+    if _blas_target is not None:
+        _blas_default = _controller.limit(limits=_blas_target, user_api="blas")
+    _blas_pending = False
 
 
 def _have_threadpoolctl_locked() -> bool:
@@ -157,6 +160,8 @@ def _blas_pinned():
             if _pinned == 0:
                 _take_blas_control()  # the last to leave may be another thread than the first to enter
                 _restore.restore_original_limits()
+                if _blas_pending:
+                    _limit_blas_locked()
                 _release_blas_control()
                 _restore = None
 
@@ -183,11 +188,11 @@ def _pool(n: int) -> ThreadPoolExecutor:
 def _after_fork_in_child() -> None:
     # A forked child inherits the pool object but none of its threads, and maybe a lock held by a
     # thread that does not exist there: start from nothing.
-    global _lock, _local, _pool_obj, _pool_size, _pinned, _restore, _blas_default
+    global _lock, _local, _pool_obj, _pool_size, _pinned, _restore, _blas_default, _blas_pending
     _lock = threading.Lock()
     _local = threading.local()
     _pool_obj, _pool_size = None, 0
-    _pinned, _restore, _blas_default = 0, None, None
+    _pinned, _restore, _blas_default, _blas_pending = 0, None, None, False
 
 
 if hasattr(os, "register_at_fork"):
@@ -205,14 +210,8 @@ def interrupted() -> bool:
 
 
 def check_workers(workers) -> int:
-    """``workers`` as a positive int (or the CPUs available for None), with a clear error otherwise."""
-    if workers is None:
-        return default_workers()
-    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral):
-        raise TypeError(f"workers should be a positive integer or None, got {type(workers).__name__} {workers!r}")
-    if workers < 1:
-        raise ValueError(f"workers should be >= 1, got {workers}")
-    return int(workers)
+    """``workers`` as a positive int (None: the threading policy's count, :func:`qkv.threads.get_num_threads`), with a clear error otherwise."""
+    return get_num_threads() if workers is None else check_count(workers, "workers", none_ok=True)
 
 
 def run_all(tasks: Sequence[Callable[[], object]], workers: int | None = None) -> list:

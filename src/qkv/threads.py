@@ -54,9 +54,10 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _check(n, name: str) -> int:
+def check_count(n, name: str, *, none_ok: bool = False) -> int:
+    """``n`` as a positive int, or a TypeError / ValueError naming ``name`` (``none_ok``: the caller takes None too, and says so)."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"{name} should be a positive integer, got {type(n).__name__} {n!r}")
+        raise TypeError(f"{name} should be a positive integer{' or None' if none_ok else ''}, got {type(n).__name__} {n!r}")
     if n < 1:
         raise ValueError(f"{name} should be >= 1, got {n}")
     return int(n)
@@ -70,7 +71,7 @@ def _from_env() -> int | None:
         n = int(raw)
     except ValueError:
         raise ValueError(f"{ENV} should be a positive integer, got {raw!r}") from None
-    return _check(n, ENV)
+    return check_count(n, ENV)
 
 
 def get_num_threads() -> int:
@@ -106,7 +107,7 @@ class set_num_threads:
     def __init__(self, n: int | None):
         global _chosen
         if n is not None:
-            n = _check(n, "n")
+            n = check_count(n, "n")
         with _lock:
             self._previous = _chosen
             _chosen = n
@@ -130,8 +131,9 @@ def _apply_blas() -> None:
     """BLAS's own threads at the chosen count (threadpoolctl; nothing without it, or while the pool pins BLAS).
 
     The pool module registers how (``_blas_setters``): it imports this one, never the other way."""
+    target = _chosen if _chosen is not None else _from_env()  # None: nobody chose, BLAS keeps its own default
     for setter in _blas_setters:
-        setter(None if _chosen is None and _from_env() is None else get_num_threads())
+        setter(target)
 
 
 _local = threading.local()  # per thread: the count last given to numba (numba keeps it per calling thread)

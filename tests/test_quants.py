@@ -51,10 +51,11 @@ def test_decoding_is_gguf_dequantize_bit_for_bit(qtype, kernel, extreme):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", SUPPORTED)
-@pytest.mark.parametrize("tokens", [1, 3, 9])
+@pytest.mark.parametrize("tokens", [1, 3, 9, 40])
 def test_products_equal_dequantize_then_float32(qtype, kernel, tokens):
-    """1-4 tokens read the blocks directly, more go through decoded tiles and BLAS: both are the
-    float32 product of the decoded weights, to float32 rounding (judged against float64)."""
+    """A few tokens read each row's blocks once (dotted straight from the integers, or the row decoded
+    first), more go through decoded tiles and BLAS: all are the float32 product of the decoded weights,
+    to float32 rounding (judged against float64)."""
     rng = np.random.default_rng(tokens * 7 + len(qtype))
     rows, cols = 70, 768
     m = QuantizedMatrix(random_blocks(qtype, rows, cols, rng), qtype, (rows, cols))

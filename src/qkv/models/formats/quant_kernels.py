@@ -249,6 +249,20 @@ def _dot_q8_0(raw, d, dmin, x, r, t, lanes):
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
+def _dot4_q8_0(raw, d, x, r, t, lanes, out):  # rows r .. r + 3 with token t, interleaved block by block
+    _zero(lanes, 128)
+    for b in range(d.shape[1]):
+        o = 34 * b + 2
+        for k in range(4):  # four independent running sums: each row's adds wait on its own lanes only
+            q = raw[r + k].view(np.int8)
+            db = d[r + k, b]
+            for j in range(32):
+                lanes[32 * k + j] += db * np.float32(q[o + j]) * x[t, 32 * b + j]
+    for k in range(4):
+        out[t, r + k] = _total(lanes[32 * k : 32 * k + 32], 32)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
 def _dot_q4_0(raw, d, dmin, x, r, t, lanes):
     row = raw[r]
     _zero(lanes, 32)
@@ -338,9 +352,15 @@ def _dot_f32(w, x, t):  # a decoded row (in,) . token t's activations
 def _matmul(raw, d, dmin, code, x, out, decode_first):  # chunks of output rows in parallel, each row dotted with every token
     R, T = raw.shape[0], x.shape[0]
     for it in prange((R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-        lanes = np.empty(64, np.float32)
+        lanes = np.empty(128, np.float32)
         w = np.empty(x.shape[1] if decode_first else 0, np.float32)
-        for r in range(it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)):
+        r0, r1 = it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)
+        if code == _Q8_0 and not decode_first:  # four rows at a time (1.2x on Gemma 3 270M's output table)
+            for r in range(r0, r1 - 3, 4):
+                for t in range(T):
+                    _dot4_q8_0(raw, d, x, r, t, lanes, out)
+            r0 = r1 - (r1 - r0) % 4  # the last few rows one by one, below
+        for r in range(r0, r1):
             if decode_first:  # the row decoded once (L1-resident), then a float32 dot a token
                 _dq_row(raw, d, dmin, code, r, w)
                 for t in range(T):

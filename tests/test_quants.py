@@ -49,6 +49,13 @@ def test_decoding_is_gguf_dequantize_bit_for_bit(qtype, kernel, extreme):
     np.testing.assert_array_equal(m.take(rows.reshape(2, 2)), want[rows].reshape(2, 2, cols))
 
 
+def float32_bound(x, w, want):  # (..., in) f32, (out, in) f64, (..., out) f64 -> the error a float32 product may have
+    """Four times float32's own error on this product (NumPy's float32 matmul against float64), plus a
+    floor for sums that cancel."""
+    f32 = (x @ w.astype(np.float32).T).astype(np.float64)
+    return 4 * np.abs(f32 - want).max() + 1e-6 * np.abs(x).sum(-1).max() * np.abs(w).max()
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", SUPPORTED)
 @pytest.mark.parametrize("tokens", [1, 3, 9, 40])
@@ -64,9 +71,28 @@ def test_products_equal_dequantize_then_float32(qtype, kernel, tokens):
     want = x.astype(np.float64) @ w.T
     got = m.matmul(x, kernel=kernel)
     assert got.dtype == np.float32 and got.shape == (2, tokens, rows)
-    f32 = (x @ w.astype(np.float32).T).astype(np.float64)  # float32's own error, for scale
-    bound = 4 * np.abs(f32 - want).max() + 1e-6 * np.abs(x).sum(-1).max() * np.abs(w).max()
-    assert np.abs(got - want).max() <= bound
+    assert np.abs(got - want).max() <= float32_bound(x, w, want)
+
+
+@pytest.mark.parametrize("qtype", [q for q in SUPPORTED if q not in ("F16", "BF16")])
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_both_direct_products_for_every_token_count(qtype, decode_first):
+    """The direct kernel's two ways (dots from the integers, or the row decoded once for every token),
+    forced either way for 1 to 6 tokens, against the float64 product of gguf's decoded weights; 130
+    rows, so that Q8_0's four-rows-at-a-time loop leaves some rows over."""
+    from qkv.models.formats import quant_kernels as qk
+    from qkv.models.formats.quants import _CODE
+
+    rng = np.random.default_rng(len(qtype) + 3 * decode_first)
+    rows, cols = 130, 512
+    m = QuantizedMatrix(random_blocks(qtype, rows, cols, rng), qtype, (rows, cols))
+    w = dequantize_rows(m.raw, qtype, cols).astype(np.float64)
+    for tokens in range(1, 7):
+        x = rng.standard_normal((tokens, cols)).astype(np.float32)
+        out = np.full((tokens, rows), np.nan, np.float32)
+        qk.matmul_direct(m.raw, m.d, m.dmin, _CODE[qtype], x, out, decode_first=decode_first)
+        want = x.astype(np.float64) @ w.T
+        assert np.abs(out - want).max() <= float32_bound(x, w, want), tokens
 
 
 def test_stacking_joins_one_type_and_keeps_mixed_ones_apart():

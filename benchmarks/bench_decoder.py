@@ -134,15 +134,21 @@ class LlamaChild:
             self.proc.kill()
 
 
-def llama_child(threads: int) -> None:
-    """The other end of LlamaChild: prefill and greedy commands on stdin, results on stdout."""
-    import llama_cpp
+def new_llama(threads: int):
+    """llama.cpp's model of the default file on ``threads`` threads (in the calling process)."""
     from llama_cpp import Llama
     from qkv.models import default_causal_lm_path
 
+    return Llama(str(default_causal_lm_path()), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+
+
+def llama_child(threads: int) -> None:
+    """The other end of LlamaChild: prefill and greedy commands on stdin, results on stdout."""
+    import llama_cpp
+
     if not BUSY:
         os.sched_setaffinity(0, set(CORES[:threads]))
-    llm = Llama(str(default_causal_lm_path()), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+    llm = new_llama(threads)
 
     def last_logits():  # the context's logits of the last token evaluated (llama-cpp-python's
         # `scores` holds them only with logits_all=True, which computes every position's)
@@ -174,10 +180,7 @@ def child(which: str, threads: int, prompt: list) -> None:
     with threadpool_limits(threads, "blas"):
         t0 = time.perf_counter()
         if which == "llama.cpp":  # in this process (it is a fresh one), not in a LlamaChild of it
-            from llama_cpp import Llama
-            from qkv.models import default_causal_lm_path
-
-            llm = Llama(str(default_causal_lm_path()), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+            llm = new_llama(threads)
             load = time.perf_counter() - t0
             llm.eval(prompt + [prompt[-1]])
         else:

@@ -449,7 +449,13 @@ def _exp(x):  # x <= 0 (or any x in the supported range) -> exp(x): the step's p
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")  # numpy: no zero-division check, so the loop vectorises
-def _activation(x, kind):  # x (N,) in place: 0 exact GELU, 1 tanh GELU, 2 SiLU
+def _activation(x2, kind):  # x2 (R, N) in place, rows may be strided: 0 exact GELU, 1 tanh GELU, 2 SiLU
+    for r in range(x2.shape[0]):  # a row at a time: each value takes the same path (vector body or tail) in any batch
+        _activation_row(x2[r], kind)
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", inline="always")
+def _activation_row(x, kind):  # x (N,) contiguous, in place
     dt = x.dtype.type
     one, zero = dt(1), dt(0)
     if kind == 0:  # gelu(x) = max(x, 0) - |x| q, q = 1 - Phi(|x|) (see qkv.models.engines.functional)
@@ -474,8 +480,11 @@ def _activation(x, kind):  # x (N,) in place: 0 exact GELU, 1 tanh GELU, 2 SiLU
 
 
 def activation_(x: np.ndarray, kind: int) -> np.ndarray:
-    """In place on a contiguous float32/float64 array: 0 exact GELU, 1 tanh GELU, 2 SiLU."""
-    _activation(x.reshape(-1), kind)
+    """In place on a float32/float64 array of contiguous rows (the gate half of a gated MLP's product
+    too): 0 exact GELU, 1 tanh GELU, 2 SiLU."""
+    rows = x.view()
+    rows.shape = (-1, x.shape[-1] if x.ndim else 1)  # a view, never a copy (which would lose the in-place result)
+    _activation(rows, kind)
     return x
 
 

@@ -5,7 +5,7 @@ sentence step by step, prints the weights of every head and writes pictures.
 Errors are one line on stderr and a non-zero exit, never a traceback.
 
 One module per command family: :mod:`.demo`, :mod:`.embed` (embed, search),
-:mod:`.attention`, :mod:`.generate` (generate, chat), :mod:`.train`; :mod:`.common` what they share.
+:mod:`.attention`, :mod:`.generate` (generate, chat), :mod:`.train`, :mod:`.serve`; :mod:`.common` what they share.
 This module builds the parser and runs a command with one error handler.
 """
 
@@ -25,6 +25,7 @@ from .demo import cmd_demo
 from .embed import cmd_embed, cmd_search
 from .attention import cmd_attention
 from .generate import DEFAULT_PROMPT, _add_sampling, cmd_chat, cmd_generate, unescape  # noqa: F401 - unescape: part of qkv.cli
+from .serve import add_parser as add_serve_parser
 from .train import cmd_train
 
 
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--out", default="qkv-train", help="folder for the pictures and weights (default ./qkv-train/)")
     trn.add_argument("--json", action="store_true", help="print the final metrics as JSON (progress goes to stderr)")
     trn.set_defaults(func=cmd_train)
+    add_serve_parser(sub)
     for command in sub.choices.values():  # one threading policy, on every command
         command.add_argument("--threads", type=_thread_count, metavar="N", help=f"compute on N threads (default: ${ENV}, else every core this process may use)")
     return parser

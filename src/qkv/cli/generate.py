@@ -13,28 +13,23 @@ DEFAULT_PROMPT = "The capital of France is"
 
 
 class _Stream:
-    """Prints new tokens' text as it comes; holds back an incomplete UTF-8 character, and as many
-    characters as could be the start of a stop string (the text is cut before a stop string: it
-    must never have been shown)."""
+    """Prints new tokens' text as it comes (:class:`~qkv.models.engines.text_stream.TextStream`: an incomplete
+    UTF-8 character and the possible start of a stop string are held back, never shown then taken back)."""
 
     def __init__(self, tokenizer, stop=()):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
-        self.hold = max((len(x) for x in stop), default=0)  # the token completing a stop string is shown before the check
+        from ..models.engines.text_stream import TextStream
+
+        self.text = TextStream(tokenizer, stop)
 
     def __call__(self, tok: int) -> None:
-        self.ids.append(tok)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a character split over byte tokens: wait for the rest
-            return
-        ready = text[: len(text) - self.hold] if self.hold else text
-        if len(ready) > len(self.shown) and ready.startswith(self.shown):
-            sys.stdout.write(ready[len(self.shown) :])
+        delta = self.text.push(tok)
+        if delta:
+            sys.stdout.write(delta)
             sys.stdout.flush()
-            self.shown = ready
 
     def finish(self, text: str) -> None:
         """The rest of the final text (which a stop string may have cut), and the line's end."""
-        print(text[len(self.shown) :] if text.startswith(self.shown) else "")
+        print(self.text.finish(text))
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "0": "\0"}

@@ -360,7 +360,6 @@ class CausalLM:
             raise ValueError(f"cache should have {cfg.num_layers} layers (use lm.new_cache()), got {len(cache.layers)}")
         if cfg.max_positions and start + L > cfg.max_positions:
             raise ValueError(f"the sequence would reach {start + L} tokens, past this model's {cfg.max_positions} positions")
-        Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pos = np.arange(start, start + L)  # (L,)
         rope_pos = pos
         key_mask = None
@@ -382,23 +381,13 @@ class CausalLM:
         if self.embed_norm is not None:
             h = cfg.normalize(h, self.embed_norm)
         angles = {}
-        attentions, hidden = [], [h.copy()] if output_hidden_states else []
-        for i, layer in enumerate(self.layers):
-            a = cfg.normalize(h, layer.attn_norm)
-            qkv = _linear(a, layer.w_qkv, layer.b_qkv)  # (B, L, (Hq + 2 Hk) D)
-            q = qkv[..., : Hq * D].reshape(B, L, Hq, D)  # (B, L, Hq, D)
-            k = qkv[..., Hq * D : (Hq + Hk) * D].reshape(B, L, Hk, D)  # (B, L, Hk, D)
-            v = qkv[..., (Hq + Hk) * D :].reshape(B, L, Hk, D).swapaxes(1, 2)  # (B, Hk, L, D)
-            if layer.q_norm is not None:  # per head, before the swap: each head's D values are contiguous
-                q = rms_norm(q, layer.q_norm, cfg.norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.norm_eps)
-            q, k = q.swapaxes(1, 2), k.swapaxes(1, 2)  # (B, Hq, L, D), (B, Hk, L, D)
-            if cfg.rope:
-                base = cfg.rope_bases[i]
-                if base not in angles:  # shared by the layers with this base
-                    angles[base] = rope_angles(rope_pos, D, base, frequencies=self._rope_freqs, attention_factor=cfg.rope_attention_factor)
-                q = apply_rope(q, angles=angles[base])
-                k = apply_rope(k, angles=angles[base])
+
+        def rope_at(base):  # cos and sin of these positions, shared by the layers with this base
+            if base not in angles:
+                angles[base] = rope_angles(rope_pos, cfg.head_dim, base, frequencies=self._rope_freqs, attention_factor=cfg.rope_attention_factor)
+            return angles[base]
+
+        def attend(i, q, k, v):  # (B, Hq, L, D), (B, Hk, L, D) x 2 -> (B, Hq, L, D), weights or None
             if cache is not None:
                 k, v = cache.update(i, k, v)  # (B, Hk, S, D): the kept keys, then these
             window = cfg.windows[i]
@@ -409,7 +398,7 @@ class CausalLM:
                 window=None if window is None else (window - 1, 0),
                 scale=cfg.query_scale,
                 softcap=cfg.attn_softcap,
-                sinks=layer.sinks,
+                sinks=self.layers[i].sinks,
                 alibi_slopes=self._alibi,
                 return_weights=output_attentions,
                 # Tiles on qkv's pool (BLAS pinned to one thread a worker). In the calling thread
@@ -419,29 +408,11 @@ class CausalLM:
                 # instead of 1.8 (2 threads, medians of 4).
                 workers=None,
             )
-            o, w = res if output_attentions else (res, None)
-            o = o.swapaxes(1, 2).reshape(B, L, Hq * D)  # (B, L, Hq D): heads merged
-            o = _linear(o, layer.w_out, layer.b_out)  # (B, L, E)
-            if layer.post_attn_norm is not None:
-                o = cfg.normalize(o, layer.post_attn_norm)
-            h += o
-            m = cfg.normalize(h, layer.mlp_norm)
-            if layer.moe is not None:
-                m = layer.moe(m)  # (B, L, E): a mixture of experts
-            else:
-                u = _linear(m, layer.w_up, layer.b_up)  # (B, L, 2F) or (B, L, F)
-                act = ACTIVATIONS[cfg.activation]
-                if cfg.gated_mlp:
-                    F = cfg.intermediate_size
-                    g = act(u[..., :F], [scratch(f"lm.act{i}", (B, L, F), u.dtype) for i in range(3)])  # act(gate), in place
-                    g *= u[..., F:]
-                    u = g
-                else:
-                    u = act(u, [scratch(f"lm.act{i}", u.shape, u.dtype) for i in range(3)])
-                m = _linear(u, layer.w_down, layer.b_down)  # (B, L, E)
-            if layer.post_mlp_norm is not None:
-                m = cfg.normalize(m, layer.post_mlp_norm)
-            h += m
+            return res if output_attentions else (res, None)
+
+        attentions, hidden = [], [h.copy()] if output_hidden_states else []
+        for i, layer in enumerate(self.layers):
+            w = self._block(i, layer, h, rope_at, attend)
             if output_attentions:
                 attentions.append(w)
             if output_hidden_states:
@@ -454,6 +425,51 @@ class CausalLM:
             c = np.float32(cfg.final_logit_softcap)
             logits = np.tanh(logits / c) * c
         return CausalLMOutput(logits=logits, attentions=tuple(attentions) if output_attentions else None, hidden_states=tuple(hidden) if output_hidden_states else None)
+
+    def _block(self, i: int, layer: DecoderLayer, h: np.ndarray, rope_at, attend):  # (B, L, E) updated in place -> weights or None
+        """Block ``i`` on ``h``: ``rope_at(base)`` gives the positions' (cos, sin), ``attend(i, q, k, v)`` the
+        attention's output (B, Hq, L, D) and weights (the cache it keeps is the caller's: a :class:`KVCache`
+        here, pages in :mod:`qkv.models.serving`)."""
+        cfg = self.config
+        B, L = h.shape[:2]
+        Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        a = cfg.normalize(h, layer.attn_norm)
+        qkv = _linear(a, layer.w_qkv, layer.b_qkv)  # (B, L, (Hq + 2 Hk) D)
+        q = qkv[..., : Hq * D].reshape(B, L, Hq, D)  # (B, L, Hq, D)
+        k = qkv[..., Hq * D : (Hq + Hk) * D].reshape(B, L, Hk, D)  # (B, L, Hk, D)
+        v = qkv[..., (Hq + Hk) * D :].reshape(B, L, Hk, D).swapaxes(1, 2)  # (B, Hk, L, D)
+        if layer.q_norm is not None:  # per head, before the swap: each head's D values are contiguous
+            q = rms_norm(q, layer.q_norm, cfg.norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.norm_eps)
+        q, k = q.swapaxes(1, 2), k.swapaxes(1, 2)  # (B, Hq, L, D), (B, Hk, L, D)
+        if cfg.rope:
+            angles = rope_at(cfg.rope_bases[i])
+            q = apply_rope(q, angles=angles)
+            k = apply_rope(k, angles=angles)
+        o, w = attend(i, q, k, v)  # (B, Hq, L, D)
+        o = o.swapaxes(1, 2).reshape(B, L, Hq * D)  # (B, L, Hq D): heads merged
+        o = _linear(o, layer.w_out, layer.b_out)  # (B, L, E)
+        if layer.post_attn_norm is not None:
+            o = cfg.normalize(o, layer.post_attn_norm)
+        h += o
+        m = cfg.normalize(h, layer.mlp_norm)
+        if layer.moe is not None:
+            m = layer.moe(m)  # (B, L, E): a mixture of experts
+        else:
+            u = _linear(m, layer.w_up, layer.b_up)  # (B, L, 2F) or (B, L, F)
+            act = ACTIVATIONS[cfg.activation]
+            if cfg.gated_mlp:
+                F = cfg.intermediate_size
+                g = act(u[..., :F], [scratch(f"lm.act{j}", (B, L, F), u.dtype) for j in range(3)])  # act(gate), in place
+                g *= u[..., F:]
+                u = g
+            else:
+                u = act(u, [scratch(f"lm.act{j}", u.shape, u.dtype) for j in range(3)])
+            m = _linear(u, layer.w_down, layer.b_down)  # (B, L, E)
+        if layer.post_mlp_norm is not None:
+            m = cfg.normalize(m, layer.post_mlp_norm)
+        h += m
+        return w
 
     def __call__(self, input_ids, cache: KVCache | None = None) -> np.ndarray:
         """Next-token logits at every position: ``(L, V)`` for ``(L,)`` ids, ``(B, L, V)`` for ``(B, L)``.

@@ -75,12 +75,28 @@ def erf(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def _compiled(x: np.ndarray):
-    """The compiled activation, where it runs: numba chosen, x contiguous float32/float64."""
-    if _flash.KERNEL == "numba" and x.flags.c_contiguous and x.dtype in (np.float32, np.float64):
+    """The compiled activation, where it runs: numba chosen, x float32/float64 in contiguous rows that
+    one (N, E) view can hold (a contiguous array, or the gate half of a gated MLP's (B, L, 2F) product:
+    taking the compiled path for one token and NumPy's for several would change a token's bits with
+    the batch)."""
+    if _flash.KERNEL == "numba" and x.dtype in (np.float32, np.float64) and _rows_view(x):
         from ..._compiled import activation_
 
         return activation_
     return None
+
+
+def _rows_view(x: np.ndarray) -> bool:
+    """Whether ``x`` is rows of contiguous values that reshape to (N, E) without a copy."""
+    if x.ndim == 0 or x.size == 0:
+        return x.flags.c_contiguous
+    if x.strides[-1] != x.itemsize:
+        return False
+    try:
+        x.view().shape = (-1, x.shape[-1])
+    except AttributeError:  # NumPy: "incompatible shape for in-place modification" would need a copy
+        return False
+    return True
 
 
 def _gelu_erf_(x: np.ndarray, work: list) -> np.ndarray:
@@ -247,7 +263,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, out: np.ndarray |
 def _compiled_norm(x, weight, bias, out) -> bool:
     """Whether the compiled LayerNorm runs: numba chosen, x a contiguous float32/float64 (..., E),
     weight and bias contiguous (E,) and out None or contiguous like x, all in x's dtype."""
-    if _compiled(x) is None or x.ndim == 0 or x.size == 0:  # the activations' own test for x
+    if _compiled(x) is None or not x.flags.c_contiguous or x.ndim == 0 or x.size == 0:
         return False
     like = [(a, x.shape[-1:]) for a in (weight, bias)] + ([] if out is None else [(out, x.shape)])
     return all(isinstance(a, np.ndarray) and a.dtype == x.dtype and a.shape == shape and a.flags.c_contiguous for a, shape in like)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["dequantize_into", "matmul_direct", "dequantize_lut_into", "matmul_lut", "F16_TABLE", "BF16_TABLE"]
+__all__ = ["dequantize_into", "matmul_direct", "matmul_f32", "dequantize_lut_into", "matmul_lut", "F16_TABLE", "BF16_TABLE"]
 
 #: Every float16 / bfloat16 bit pattern as float32 (exact): a 256 KiB table read by index.
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -381,6 +381,14 @@ def _matmul(raw, d, dmin, code, x, out, decode_first):  # chunks of output rows 
                     out[t, r] = _dot_q5_k(raw, d, dmin, x, r, t, lanes)
                 else:
                     out[t, r] = _dot_q6_k(raw, d, dmin, x, r, t, lanes)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def matmul_f32(w, x, out):  # (R, in) f32, (T, in) f32, (T, R) f32
+    """out[t, r] <- w[r] . x[t], each by the same loop as a decoded row's (a sum order set by ``in`` alone)."""
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            out[t, r] = _dot_f32(w[r], x, t)
 
 
 def matmul_direct(raw, d, dmin, code, x, out, *, decode_first: bool | None = None):  # (R, row bytes), (R, nb), (R, nb or 0), int, (T, in) f32, (T, R) f32

@@ -38,12 +38,15 @@ Q6_K   256    210     (d * sc_s) * (q - 32), 16 sub-blocks with int8 sc, 6-bit q
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 
 from ...threads import use_numba_threads
 from ..errors import ModelError
 
-__all__ = ["QuantizedMatrix", "StackedMatrix", "stack", "permute_rows", "matmul", "SUPPORTED", "BLOCKS", "dequantize_rows", "kernel_available"]
+__all__ = ["QuantizedMatrix", "StackedMatrix", "stack", "permute_rows", "matmul", "row_invariant", "SUPPORTED", "BLOCKS", "dequantize_rows", "kernel_available"]
 
 #: type -> (values a block, bytes a block)
 BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
@@ -55,6 +58,43 @@ TILE_ROWS = 256
 #: of them); more: tiles of rows decoded to float32 and BLAS. Measured on Gemma 3 270M's matrices
 #: (2 threads): the direct products took 0.39x the tiles' time at 8 tokens, 0.81x at 32, 1.18x at 64.
 DIRECT_TOKENS = 32
+
+
+_ROW_INVARIANT = contextvars.ContextVar("qkv_row_invariant", default=False)
+
+
+@contextlib.contextmanager
+def row_invariant(on: bool = True):
+    """Within it (in this thread), every product gives each token's row the same bits however many tokens
+    come with it: what a server needs to answer a request the same alone or batched with others.
+
+    The ways above differ in how they sum (straight from the integers for one token, a decoded row for a
+    few, BLAS tiles for many: each adds in its own order, and the last bit of a logit then depends on the
+    batch). Here every row is decoded to float32 and dotted with each token by one loop whose order depends
+    on the row's length only (float32 weights and F16/BF16 ones alike), in chunks of :data:`DIRECT_TOKENS`.
+
+    >>> import numpy as np
+    >>> w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    >>> x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
+    >>> with row_invariant():
+    ...     together, alone = matmul(x, w), matmul(x[2:3], w)
+    >>> bool((together[2] == alone[0]).all())
+    True
+    """
+    token = _ROW_INVARIANT.set(bool(on))
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.reset(token)
+
+
+def _invariant_kernels() -> bool:
+    """Whether the row-invariant products run now (asked for, and numba there to run them)."""
+    if not _ROW_INVARIANT.get():
+        return False
+    if not kernel_available():
+        raise RuntimeError("row-invariant products need numba: pip install 'qkv[fast]'")
+    return True
 
 
 def kernel_available() -> bool:
@@ -208,7 +248,9 @@ class QuantizedMatrix:
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, self.shape[1]))  # (T, in)
         T = len(x2)
-        if (kernel or _default_kernel()) == "numpy":
+        if _invariant_kernels():
+            out = self._invariant(x2)
+        elif (kernel or _default_kernel()) == "numpy":
             if kernel is None and not kernel_available():
                 _say_once_uncompiled()
             out = x2 @ self.dequantize(kernel="numpy").T
@@ -224,6 +266,20 @@ class QuantizedMatrix:
         else:
             out = self._tiled(x2)
         return out.reshape(*lead, self.shape[0])
+
+    def _invariant(self, x2: np.ndarray) -> np.ndarray:
+        """:func:`row_invariant`'s product: every row decoded, then one dot a token, whatever their number."""
+        from . import quant_kernels as qk
+
+        out = np.empty((len(x2), self.shape[0]), np.float32)
+        use_numba_threads()
+        for t0 in range(0, len(x2), DIRECT_TOKENS):  # chunks keep the tokens in cache; each row's sums are alike
+            xs, outs = x2[t0 : t0 + DIRECT_TOKENS], out[t0 : t0 + DIRECT_TOKENS]
+            if self.qtype in ("F16", "BF16"):
+                qk.matmul_lut(self.raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, xs, outs)
+            else:
+                qk.matmul_direct(self.raw, self.d, self.dmin, _CODE[self.qtype], xs, outs, decode_first=True)
+        return out
 
     def _tiled(self, x2: np.ndarray) -> np.ndarray:
         """Many tokens: tiles of rows decoded to float32 and multiplied by BLAS, the tiles shared out by
@@ -305,8 +361,21 @@ def permute_rows(w, order):
 def matmul(x: np.ndarray, w, *, kernel: str | None = None) -> np.ndarray:
     """``x @ w.T`` for a float32 ``w`` (out, in) or a quantized or stacked one."""
     if isinstance(w, np.ndarray):
+        if _invariant_kernels():
+            return _invariant_f32(x, w)
         return x @ w.T
     return w.matmul(x, kernel=kernel)
+
+
+def _invariant_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:  # (..., in), (out, in) -> (..., out)
+    """``x @ w.T`` for float32 weights, one fixed-order dot a token and row (see :func:`row_invariant`)."""
+    from . import quant_kernels as qk
+
+    x2 = np.ascontiguousarray(np.asarray(x, np.float32).reshape(-1, x.shape[-1]))
+    out = np.empty((len(x2), w.shape[0]), np.float32)
+    use_numba_threads()
+    qk.matmul_f32(np.ascontiguousarray(w, np.float32), x2, out)
+    return out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _default_kernel() -> str:

@@ -1,0 +1,92 @@
+"""``qkv serve``: an OpenAI-compatible server (:mod:`qkv.models.serving`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .common import CLIError, DECODER_NAME, ENCODER_NAME, _load, _model_path
+
+#: Environment variable read for --api-key (a key on the command line shows in `ps`).
+API_KEY_ENV = "QKV_API_KEY"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a language model (and sentence embeddings) over an OpenAI-compatible HTTP API",
+        description=(
+            "Start an HTTP server whose /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models answer as OpenAI's do "
+            "(the official openai client works unchanged), with continuous batching on a paged key/value cache, shared prompt "
+            "prefixes, and answers that do not depend on what else is batched. See docs/serving.md."
+        ),
+    )
+    p.add_argument("--model", metavar="NAME_OR_PATH", help=f"{DECODER_NAME!r} (the default), a .gguf file or a Hugging Face causal LM directory")
+    p.add_argument("--model-name", metavar="NAME", help="the id clients use and /v1/models lists (default: --model's name)")
+    p.add_argument("--embedding-model", metavar="NAME_OR_DIR", default=ENCODER_NAME, help=f"the /v1/embeddings model: {ENCODER_NAME!r} (the default, loaded at the first request), a directory, or 'none'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' on every request (or set {API_KEY_ENV})")
+    p.add_argument("--max-batch", type=int, default=16, help="requests generated together at most (default 16)")
+    p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429 (default 64)")
+    p.add_argument("--context", type=int, default=4096, help="tokens a request may hold, prompt + max_tokens (default 4096)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="largest max_tokens a request may ask (default 2048)")
+    p.add_argument("--kv-tokens", type=int, default=16384, help="tokens the key/value pool holds over all requests (default 16384)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens a page (default 16)")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens a step at most, so a long prompt does not stall the others (default 128)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take before it is stopped (default 600)")
+    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
+    p.add_argument("--batch-variant", action="store_true", help="faster products whose last bits depend on the batch (default: batch-invariant answers)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that give no seed (default 0)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level (default info)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from ..models.serving.api import Limits, create_app
+        from ..models.serving.scheduler import Scheduler
+    except ImportError as exc:
+        raise CLIError(f"qkv serve needs the serve extra ({exc.name} is missing): pip install 'qkv[serve]'") from None
+    for name in ("port", "max_batch", "max_waiting", "context", "max_tokens", "kv_tokens", "page_size", "prefill_chunk", "max_body"):
+        v = getattr(args, name)
+        if v < (0 if name == "port" else 1):
+            raise CLIError(f"--{name.replace('_', '-')} should be >= {0 if name == 'port' else 1}, got {v}")
+    if args.port > 65535:
+        raise CLIError(f"--port should be <= 65535, got {args.port}")
+    if not args.timeout > 0:
+        raise CLIError(f"--timeout should be > 0 seconds, got {args.timeout}")
+    if args.kv_tokens < args.context + args.page_size:
+        raise CLIError(f"--kv-tokens ({args.kv_tokens}) should hold at least one request of --context ({args.context}) tokens and a page")
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise CLIError("--api-key is empty")
+    lm = _load(args.model, "decoder")
+    if lm.config.max_positions and args.context > lm.config.max_positions:
+        raise CLIError(f"--context ({args.context}) is past {lm.name}'s {lm.config.max_positions} positions")
+    embedder, embedding_name = None, None
+    if args.embedding_model != "none":
+        path = _model_path(args.embedding_model, ENCODER_NAME)
+        embedding_name = ENCODER_NAME if path is None else os.path.basename(os.path.normpath(args.embedding_model))
+        loaded = []
+
+        def embedder():  # the encoder, loaded at the first request
+            if not loaded:
+                loaded.append(_load(args.embedding_model))
+            return loaded[0]
+
+    name = args.model_name or (DECODER_NAME if args.model in (None, DECODER_NAME) else os.path.basename(os.path.normpath(args.model)))
+    scheduler = Scheduler(lm, num_pages=-(-args.kv_tokens // args.page_size), page_size=args.page_size, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                          prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, seed=args.seed)  # fmt: skip
+    limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_context=args.context, timeout_s=args.timeout)
+    app = create_app(scheduler, lm, model_name=name, limits=limits, api_key=key, embedder=embedder, embedding_name=embedding_name)
+    scheduler.start()
+    where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
+    print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'})", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        scheduler.close()
+    return 0

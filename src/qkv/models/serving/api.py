@@ -1,0 +1,497 @@
+"""The OpenAI-compatible HTTP side of ``qkv serve``: Starlette routes, pydantic validation, server-sent events.
+
+Every request body is read with a size bound, parsed and validated here
+(pydantic), then handed to the :class:`~.scheduler.Scheduler` as one
+:class:`~.scheduler.Request` per choice. A bad request gets OpenAI's error
+shape, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx status;
+an unexpected failure a 500 with no traceback (that goes to the server's log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .scheduler import Request
+
+__all__ = ["Limits", "create_app"]
+
+log = logging.getLogger("qkv.serve")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask (``qkv serve``'s options)."""
+
+    max_body_bytes: int = 1 << 20
+    max_tokens: int = 2048  # per choice
+    max_context: int = 4096  # prompt + max_tokens
+    max_n: int = 8
+    max_top_logprobs: int = 20
+    timeout_s: float = 600.0  # a request's deadline
+    max_embedding_inputs: int = 256
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind, self.headers = status, message, param, code, kind, headers
+
+
+def error_response(status: int, message: str, *, param=None, code=None, kind="invalid_request_error", headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
+
+
+# ------------------------------------------------------------ request bodies
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI's other fields (user, ...) are accepted and unused
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+
+
+class _Part(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[_Part] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+
+
+class EmbeddingBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[str]
+    encoding_format: str = "float"
+
+
+def _param(err: ValidationError) -> tuple[str, str]:
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("function-", "list[", "str", "int")))
+    return loc or None, f"{loc or 'body'}: {e['msg']}"
+
+
+async def _read_json(request: HTTPRequest, limits: Limits, model):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
+        raise APIError(413, f"the request body is {int(size):,} bytes; the limit is {limits.max_body_bytes:,}", code="body_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limits.max_body_bytes:
+            raise APIError(413, f"the request body is over the limit of {limits.max_body_bytes:,} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body should be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        param, msg = _param(exc)
+        raise APIError(400, msg, param=param) from None
+
+
+# ------------------------------------------------------------ the app
+
+
+class _Server:
+    def __init__(self, scheduler, lm, model_name: str, limits: Limits, api_key: str | None, embedder, embedding_name: str | None):
+        self.scheduler, self.lm, self.model_name, self.limits, self.api_key = scheduler, lm, model_name, limits, api_key
+        self._embedder, self.embedding_name = embedder, embedding_name
+        self.created = int(time.time())
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry()
+        self.registry.register(_Figures(scheduler))
+
+    def check_key(self, request: HTTPRequest) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key", kind="authentication_error")
+
+    # -------------------------------------------------------- generation
+    def _check_model(self, name: str | None, kind: str = "text") -> None:
+        want = self.model_name if kind == "text" else self.embedding_name
+        if name is not None and name != want:
+            raise APIError(404, f"model {name!r} is not served here; {kind} model: {want!r}", param="model", code="model_not_found", kind="not_found_error")
+
+    def _sampling(self, body) -> dict:
+        if body.frequency_penalty or body.presence_penalty:
+            raise APIError(400, "frequency_penalty and presence_penalty are not supported (give 0)", param="frequency_penalty" if body.frequency_penalty else "presence_penalty")
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if body.n > self.limits.max_n:
+            raise APIError(400, f"n should be at most {self.limits.max_n}, got {body.n}", param="n")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > 4 or any(not x for x in stop):
+            raise APIError(400, "stop should be up to 4 non-empty strings", param="stop")
+        return {"temperature": body.temperature, "top_p": None if body.top_p >= 1 else body.top_p, "stop": tuple(stop)}
+
+    def _max_tokens(self, asked: int | None, prompt_len: int, default: int) -> int:
+        lim = self.limits
+        if asked is not None and asked > lim.max_tokens:
+            raise APIError(400, f"max_tokens should be at most {lim.max_tokens}, got {asked}", param="max_tokens")
+        if prompt_len >= lim.max_context:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; this server's context is {lim.max_context} tokens (prompt + max_tokens)", param="messages", code="context_length_exceeded")
+        room = lim.max_context - prompt_len
+        if asked is None:
+            return min(default, room)
+        if asked > room:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) and max_tokens ({asked}) exceed this server's context of {lim.max_context} tokens", param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    async def _run(self, request: HTTPRequest, prompt: list, n: int, max_tokens: int, sampling: dict, seed, top_logprobs):
+        """Submit the choices; yield (choice index, kind, payload) as the engine sends them; cancel on exit."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        deadline = time.monotonic() + self.limits.timeout_s
+        reqs = []
+
+        def emitter(i):
+            def emit(kind, payload):
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, (i, kind, payload))
+                except RuntimeError:  # the loop is closed: nobody listens any more
+                    pass
+
+            return emit
+
+        for i in range(n):
+            r = Request(prompt=list(prompt), max_tokens=max_tokens, emit=emitter(i), seed=None if seed is None else seed + i, top_logprobs=top_logprobs, deadline=deadline, **sampling)
+            if not self.scheduler.submit(r):
+                for q in reqs:
+                    q.cancel()
+                raise APIError(429, f"the server is busy: {self.scheduler.max_waiting} requests are waiting; try again shortly", code="queue_full", kind="rate_limit_error", headers={"Retry-After": "1"})
+            reqs.append(r)
+        open_ = set(range(n))
+        try:
+            while open_:
+                try:
+                    i, kind, payload = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if kind != "token":
+                    open_.discard(i)
+                yield i, kind, payload
+        finally:
+            for r in reqs:
+                r.cancel()  # a no-op for finished ones; a client gone or an error: free the pages now
+
+    def _token_text(self, tok: int) -> str:
+        return self.lm.tokenizer.decode([tok])
+
+    def _chat_logprob(self, info) -> dict:
+        text = self._token_text(info["token"])
+        entry = {"token": text, "logprob": info["logprob"], "bytes": list(text.encode("utf-8"))}
+        entry["top_logprobs"] = [{"token": (t := self._token_text(tok)), "logprob": lp, "bytes": list(t.encode("utf-8"))} for tok, lp in info.get("top", [])]
+        return entry
+
+    def _usage(self, dones: dict) -> dict:
+        prompt = next(iter(dones.values()))["prompt_tokens"] if dones else 0
+        completion = sum(d["completion_tokens"] for d in dones.values())
+        cached = max((d["cached_tokens"] for d in dones.values()), default=0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        body = await _read_json(request, self.limits, CompletionBody)
+        self._check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if body.logprobs is not None and body.logprobs > 5:
+            raise APIError(400, f"logprobs should be at most 5, got {body.logprobs}", param="logprobs")
+        sampling = self._sampling(body)
+        try:
+            prompt = self.lm._prompt_ids(body.prompt, "prompt")
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+        max_tokens = self._max_tokens(body.max_tokens, len(prompt), 16)
+        return await self._respond(request, "text_completion", body, prompt, max_tokens, sampling, body.logprobs)
+
+    async def chat(self, request: HTTPRequest) -> Response:
+        body = await _read_json(request, self.limits, ChatBody)
+        self._check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if (body.top_logprobs or 0) > self.limits.max_top_logprobs:
+            raise APIError(400, f"top_logprobs should be at most {self.limits.max_top_logprobs}, got {body.top_logprobs}", param="top_logprobs")
+        sampling = self._sampling(body)
+        messages = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" or p.text is None for p in content):
+                    raise APIError(400, "only text content parts are supported", param="messages")
+                content = "".join(p.text for p in content)
+            messages.append({"role": m.role, "content": content or ""})
+        if self.lm.chat_template is None:
+            raise APIError(400, f"{self.model_name} has no chat template: use /v1/completions", param="messages")
+        try:
+            text = self.lm.apply_chat_template(messages)
+        except Exception as exc:  # a template's own error (raise_exception), or the sandbox refusing: the client's messages
+            raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+        prompt = self.lm.tokenizer.encode(text, add_bos=False)
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self._max_tokens(asked, len(prompt), self.limits.max_tokens)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        return await self._respond(request, "chat.completion", body, prompt, max_tokens, sampling, top)
+
+    async def _respond(self, request, kind, body, prompt, max_tokens, sampling, top) -> Response:
+        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+        gen = self._run(request, prompt, body.n, max_tokens, sampling, body.seed, top)
+        first = await gen.__anext__()  # a 429 is raised here, before any byte of the response
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._sse(rid, kind, gen, first, body.n, include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        texts, logprobs, finish, dones = [""] * body.n, [[] for _ in range(body.n)], [None] * body.n, {}
+
+        async def events():
+            yield first
+            async for e in gen:
+                yield e
+
+        async for i, ev, payload in events():
+            if ev == "token":
+                texts[i] += payload["text"]
+                if payload.get("token") is not None and "logprob" in payload:
+                    logprobs[i].append(payload)
+            elif ev == "done":
+                finish[i], dones[i] = payload["finish_reason"], payload
+            else:
+                await gen.aclose()
+                status = 504 if "deadline" in payload["message"] else 500
+                return error_response(status, payload["message"], kind="timeout_error" if status == 504 else "server_error")
+        created = int(time.time())
+        if kind == "chat.completion":
+            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": {"content": [self._chat_logprob(x) for x in logprobs[i]]} if top is not None else None, "finish_reason": finish[i]} for i in range(body.n)]
+        else:
+            choices = [{"index": i, "text": texts[i], "logprobs": self._completion_logprobs(logprobs[i]) if top is not None else None, "finish_reason": finish[i]} for i in range(body.n)]
+        return JSONResponse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choices, "usage": self._usage(dones)})
+
+    def _completion_logprobs(self, entries) -> dict:
+        tokens = [self._token_text(e["token"]) for e in entries]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": [{self._token_text(t): lp for t, lp in e.get("top", [])} for e in entries], "text_offset": offsets}
+
+    async def _sse(self, rid, kind, gen, first, n, include_usage):
+        created = int(time.time())
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+        dones = {}
+
+        def chunk(choices, usage=None):
+            out = {"id": rid, "object": chunk_kind, "created": created, "model": self.model_name, "choices": choices}
+            if include_usage:
+                out["usage"] = usage
+            return f"data: {json.dumps(out)}\n\n"
+
+        async def events():
+            yield first
+            async for e in gen:
+                yield e
+
+        try:
+            if kind == "chat.completion":
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)])
+            async for i, ev, payload in events():
+                if ev == "token":
+                    lp = None
+                    if payload.get("token") is not None and "logprob" in payload:
+                        lp = {"content": [self._chat_logprob(payload)]} if kind == "chat.completion" else self._completion_logprobs([payload])
+                    if not payload["text"] and lp is None:
+                        continue
+                    if kind == "chat.completion":
+                        yield chunk([{"index": i, "delta": {"content": payload["text"]}, "logprobs": lp, "finish_reason": None}])
+                    else:
+                        yield chunk([{"index": i, "text": payload["text"], "logprobs": lp, "finish_reason": None}])
+                elif ev == "done":
+                    dones[i] = payload
+                    if kind == "chat.completion":
+                        yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": payload["finish_reason"]}])
+                    else:
+                        yield chunk([{"index": i, "text": "", "logprobs": None, "finish_reason": payload["finish_reason"]}])
+                else:
+                    yield f"data: {json.dumps({'error': {'message': payload['message'], 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                    return
+            if include_usage:
+                yield chunk([], self._usage(dones))
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()  # a client gone mid-stream: its requests are cancelled, their pages freed
+
+    # -------------------------------------------------------- the rest
+    async def embeddings(self, request: HTTPRequest) -> Response:
+        body = await _read_json(request, self.limits, EmbeddingBody)
+        if self.embedding_name is None:
+            raise APIError(404, "no embedding model is served (start qkv serve with --embedding-model)", param="model", code="model_not_found", kind="not_found_error")
+        self._check_model(body.model, "embedding")
+        if body.encoding_format not in ("float", "base64"):
+            raise APIError(400, f"encoding_format should be 'float' or 'base64', got {body.encoding_format!r}", param="encoding_format")
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts or len(texts) > self.limits.max_embedding_inputs:
+            raise APIError(400, f"input should be 1 to {self.limits.max_embedding_inputs} strings, got {len(texts)}", param="input")
+        enc = await asyncio.to_thread(self._embedder)
+        try:
+            vectors = await asyncio.to_thread(enc.encode, texts)
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, str(exc), param="input") from None
+        tokens = sum(len(enc.tokenizer.encode(t)) for t in texts) if hasattr(enc, "tokenizer") and hasattr(enc.tokenizer, "encode") else 0
+        if body.encoding_format == "base64":  # what the openai client asks for: little-endian float32, as OpenAI sends it
+            data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()} for i, v in enumerate(vectors)]
+        else:
+            data = [{"object": "embedding", "index": i, "embedding": [float(x) for x in v]} for i, v in enumerate(vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": self.embedding_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def models(self, request: HTTPRequest) -> Response:
+        data = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "qkv"}]
+        if self.embedding_name is not None:
+            data.append({"id": self.embedding_name, "object": "model", "created": self.created, "owned_by": "qkv"})
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: HTTPRequest) -> Response:
+        if self.scheduler.failed is not None:
+            return JSONResponse({"status": "degraded", "detail": "the engine failed on a step (see the server's log)"})
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: HTTPRequest) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Figures:
+    """The scheduler's figures as Prometheus metrics, read when scraped (prometheus_client's custom collector)."""
+
+    def __init__(self, scheduler):
+        self.s = scheduler
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.s
+        gauges = (
+            ("qkv_requests_running", "Requests being generated", len(s.running)),
+            ("qkv_requests_waiting", "Requests queued for admission", len(s.waiting)),
+            ("qkv_kv_pages_in_use", "Key/value pages held by running requests", s.pool.pages_in_use),
+            ("qkv_kv_pages_cached", "Published pages nobody holds (the prefix cache)", s.pool.cached_pages),
+            ("qkv_kv_pages_total", "Pages in the pool", s.pool.num_pages),
+            ("qkv_generation_tokens_per_second", "Generated tokens a second over the last 10 s", s.tokens_per_s()),
+            ("qkv_time_to_first_token_seconds", "Mean time to first token over the last 1,000 requests", sum(s.ttft) / len(s.ttft) if s.ttft else 0.0),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = (
+            ("qkv_generation_tokens", "Tokens generated", s.generated_tokens),
+            ("qkv_prompt_tokens", "Prompt tokens admitted", s.prompt_tokens),
+            ("qkv_prompt_tokens_cached", "Prompt tokens read from shared pages", s.cached_prompt_tokens),
+            ("qkv_preemptions", "Requests preempted for want of pages (recomputed later)", s.preempted),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class _Guard:
+    """ASGI middleware: the API key on every request, OpenAI-shaped errors, never a traceback to a client."""
+
+    def __init__(self, app, server: _Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            self.server.check_key(HTTPRequest(scope))
+            await self.app(scope, receive, tracked)
+        except APIError as e:
+            if not started:
+                await error_response(e.status, e.message, param=e.param, code=e.code, kind=e.kind, headers=e.headers)(scope, receive, send)
+        except Exception:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await error_response(500, "internal server error", kind="server_error")(scope, receive, send)
+
+
+def create_app(scheduler, lm, *, model_name: str, limits: Limits = Limits(), api_key: str | None = None, embedder=None, embedding_name: str | None = None) -> Starlette:
+    """The ASGI app of ``qkv serve`` over a started :class:`~.scheduler.Scheduler`.
+
+    ``embedder``: a callable returning the sentence encoder (called at the first embeddings request).
+    """
+    server = _Server(scheduler, lm, model_name, limits, api_key, embedder, embedding_name)
+
+    async def not_found(request, exc):
+        return error_response(404, f"no route {request.method} {request.url.path}", code="not_found", kind="not_found_error")
+
+    async def bad_method(request, exc):
+        return error_response(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+
+    routes = [
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/embeddings", server.embeddings, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, middleware=[Middleware(_Guard, server=server)], exception_handlers={404: not_found, 405: bad_method})
+    app.state.server = server
+    return app
+

@@ -1,0 +1,184 @@
+"""One step of a causal LM over many sequences at once, on the paged cache, the same bits whatever the batch.
+
+A server's step mixes sequences: some decode one token, some prefill a chunk
+of their prompt. Their tokens go through the model side by side as one
+ragged row of ``T`` tokens, each with its own sequence and position::
+
+    h = embed(tokens)                                 # (1, T, E)
+    per block (CausalLM's own code):                  # products read each weight row once for all T tokens
+        q, k, v = ... rope(q, k, positions)           # (1, Hq, T, D), (1, Hk, T, D)
+        pages[layer][page(t), slot(t)] = k, v         # each token's keys into its sequence's page
+        o[t] = attention(q[t], the keys 0..pos(t) of its sequence)   # through its block table
+    logits = norm(h[rows that need one]) @ W_head.T
+
+**Batch invariance.** A request's tokens and log-probabilities must not
+depend on what it was batched with. Every reduction on this path adds in an
+order fixed by the row alone:
+
+- products: :func:`qkv.models.formats.quants.row_invariant` (each weight row
+  decoded, then one fixed-order dot a token, whatever their number);
+- attention: :func:`paged_attention`, one loop a (token, head) over that
+  token's keys, in position order, whatever the other tokens;
+- norms, RoPE, activations: NumPy, a row at a time or elementwise.
+
+So a token's keys, values and logits are the same bits alone, in a batch of
+any size, in any prefill chunk, or read from another request's shared page.
+``tests/test_serving.py`` checks it; ``batch_invariant=False`` uses the
+batch-dependent products instead (faster on one sequence) for comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+from numba import njit, prange
+
+from ...rope import rope_angles
+from ..formats.quants import matmul, row_invariant
+from .pages import PagePool
+
+__all__ = ["paged_attention", "Batch", "forward_step"]
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+def _paged_attention(q, kp, vp, table, row, pos, window, scale, softcap, sinks, slopes, out):
+    T, Hq, D = q.shape
+    page, Hk = kp.shape[1], kp.shape[2]
+    group = Hq // Hk
+    for it in prange(T * Hq):
+        t, hq = it // Hq, it % Hq
+        hk = hq // group  # grouped-query attention: Hq / Hk query heads read one key head
+        n = pos[t] + 1  # keys 0 .. pos[t]: its sequence's, itself included
+        lo = 0 if window <= 0 else max(0, n - window)
+        s = np.empty(n - lo, np.float32)
+        m = -np.inf
+        for j in range(lo, n):
+            p, sl = table[row[t], j // page], j % page
+            acc = np.float32(0)
+            for d in range(D):
+                acc += q[t, hq, d] * kp[p, sl, hk, d]
+            acc *= scale
+            if softcap > 0:
+                acc = softcap * np.tanh(acc / softcap)
+            acc -= slopes[hq] * np.float32(pos[t] - j)  # ALiBi (slopes 0 otherwise)
+            s[j - lo] = acc
+            m = max(m, acc)
+        if sinks.size:
+            m = max(m, sinks[hq])
+        total = np.float32(0)
+        for j in range(n - lo):
+            s[j] = np.exp(s[j] - m)
+            total += s[j]
+        if sinks.size:
+            total += np.exp(sinks[hq] - m)
+        for d in range(D):
+            out[t, hq, d] = 0
+        for j in range(lo, n):
+            p, sl, w = table[row[t], j // page], j % page, s[j - lo] / total
+            for d in range(D):
+                out[t, hq, d] += w * vp[p, sl, hk, d]
+
+
+def paged_attention(query, key_pages, value_pages, block_table, rows, positions, *, window=None, scale, softcap=None, sinks=None, alibi_slopes=None):  # (T, Hq, D), (P, page, Hk, D) x 2, (N, W), (T,), (T,) -> (T, Hq, D)
+    """Causal attention of ragged tokens over their sequences' pages: token ``t`` of sequence
+    ``rows[t]`` at position ``positions[t]`` attends to that sequence's keys ``0 .. positions[t]``
+    (the last ``window`` of them on a sliding layer), read through ``block_table[rows[t]]``.
+
+    Each (token, head) is one loop over its keys in position order: its output does not depend on
+    the other tokens (the property the server needs; :func:`qkv.scaled_dot_product_attention` with
+    ``block_table`` is the reference it is tested against).
+
+    Parameters
+    ----------
+    query : ndarray, float32, shape (T, Hq, D)
+    key_pages, value_pages : ndarray, float32, shape (P, page_size, Hk, D)
+        The keys (after RoPE) and values of the tokens themselves included: write them first.
+    block_table : ndarray of int, shape (N, W)
+    rows, positions : ndarray of int, shape (T,)
+    window : int, optional
+        Keys a query sees, itself included.
+    scale : float
+    softcap, sinks, alibi_slopes
+        As :func:`qkv.scaled_dot_product_attention`'s (sinks and slopes: (Hq,)).
+
+    Returns
+    -------
+    ndarray, float32, shape (T, Hq, D)
+    """
+    q = np.ascontiguousarray(query, np.float32)
+    T, Hq, D = q.shape
+    out = np.empty((T, Hq, D), np.float32)
+    none = np.zeros(0, np.float32)
+    _paged_attention(
+        q, key_pages, value_pages, np.ascontiguousarray(block_table, np.int64), np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(positions, np.int64),
+        0 if window is None else int(window), np.float32(scale), np.float32(softcap or 0),
+        none if sinks is None else np.ascontiguousarray(sinks, np.float32),
+        np.zeros(Hq, np.float32) if alibi_slopes is None else np.ascontiguousarray(alibi_slopes, np.float32),
+        out,
+    )  # fmt: skip
+    return out
+
+
+class Batch:
+    """The tokens of one step: for each, its sequence's row in ``block_table`` and its position.
+
+    Parameters
+    ----------
+    tokens, rows, positions : sequence of int, length T
+    block_table : ndarray of int, shape (N, W)
+        Row ``n``: the pages of sequence ``n``, in order (covering every position of its tokens here).
+    logits_for : sequence of int
+        The indices in ``tokens`` whose next-token logits are wanted (a sequence's last token).
+    """
+
+    def __init__(self, tokens, rows, positions, block_table, logits_for, page_size: int):
+        self.tokens = np.asarray(tokens, np.int64)
+        self.rows = np.asarray(rows, np.int64)
+        self.positions = np.asarray(positions, np.int64)
+        self.block_table = np.asarray(block_table, np.int64)
+        self.logits_for = np.asarray(logits_for, np.int64)
+        self.pages = self.block_table[self.rows, self.positions // page_size]  # (T,): where each token's keys go
+        self.slots = self.positions % page_size
+
+
+def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = True) -> np.ndarray:  # -> (len(logits_for), V)
+    """Run ``batch``'s tokens through ``lm`` (a :class:`qkv.models.engines.decoder.CausalLM`), writing
+    their keys and values into ``pool``'s pages; return the logits asked for, float32."""
+    cfg = lm.config
+    Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    T = len(batch.tokens)
+    ids = batch.tokens
+    h = lm.embed[ids] if isinstance(lm.embed, np.ndarray) else lm.embed.take(ids)  # (T, E)
+    h = h[None]  # (1, T, E): CausalLM's blocks are batch first
+    if cfg.embed_scale != 1.0:
+        h *= np.float32(cfg.embed_scale)
+    if lm.positions is not None:
+        h += lm.positions[batch.positions]
+    if lm.embed_norm is not None:
+        h = cfg.normalize(h, lm.embed_norm)
+    angles = {}
+
+    def rope_at(base):  # each token at its own position
+        if base not in angles:
+            angles[base] = rope_angles(batch.positions, D, base, frequencies=lm._rope_freqs, attention_factor=cfg.rope_attention_factor)
+        return angles[base]
+
+    def attend(i, q, k, v):  # (1, Hq, T, D), (1, Hk, T, D) x 2 -> (1, Hq, T, D), no weights
+        pool.keys[i, batch.pages, batch.slots] = k[0].swapaxes(0, 1)  # (T, Hk, D) into their pages
+        pool.values[i, batch.pages, batch.slots] = v[0].swapaxes(0, 1)
+        window = cfg.windows[i]
+        o = paged_attention(q[0].swapaxes(0, 1), pool.keys[i], pool.values[i], batch.block_table, batch.rows, batch.positions,
+                            window=window, scale=cfg.query_scale, softcap=cfg.attn_softcap, sinks=lm.layers[i].sinks, alibi_slopes=lm._alibi)  # fmt: skip
+        return o.swapaxes(0, 1)[None], None  # (1, Hq, T, D)
+
+    with row_invariant() if batch_invariant else contextlib.nullcontext():
+        for i, layer in enumerate(lm.layers):
+            lm._block(i, layer, h, rope_at, attend)
+        last = h[0, batch.logits_for]  # (n, E)
+        last = cfg.normalize(last, lm.final_norm)
+        logits = matmul(last, lm.lm_head)  # (n, V)
+    if cfg.final_logit_softcap:
+        c = np.float32(cfg.final_logit_softcap)
+        logits = np.tanh(logits / c) * c
+    return logits

@@ -1,0 +1,347 @@
+"""Continuous batching: requests join and leave between decode steps, all running ones decoded together.
+
+One engine thread owns the model and the pages. Each step it
+
+1. drops requests that were cancelled (a client gone) or ran past their
+   deadline, and gives their pages back;
+2. admits waiting requests, oldest first, while the pool has pages for
+   their prompt (and one free page per running request to grow into). A
+   prompt's beginning already in published pages (:class:`~.pages.PagePool`)
+   is taken by reference, not computed;
+3. when the pages run out all the same (every request grows), *preempts* the
+   request admitted last: its pages go back (to the prefix cache: they are
+   published as they fill), and it waits at the head of the queue to be
+   admitted again with its prompt and the tokens it has made so far, most of
+   them found again in the cache. Its answer does not change: its keys are
+   the same bits, whoever computes them (vLLM's preemption by recomputation);
+4. takes one token of every decoding request, and a chunk of the prompt of
+   those still prefilling (at most ``prefill_chunk`` tokens a step in all,
+   so that a long prompt does not stall the others);
+5. runs them as one batch (:func:`~.engine.forward_step`), then samples each
+   request's next token with its own generator, and sends it on.
+
+Requests talk to the HTTP side through a callback: ``emit(event)`` is called
+from the engine thread with ``("token", dict)``, then ``("done", dict)`` or
+``("error", dict)``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...threads import set_num_threads
+from ..engines.sampling import next_token
+from ..engines.text_stream import TextStream
+from .engine import Batch, forward_step
+from .pages import PagePool
+
+__all__ = ["Request", "Scheduler"]
+
+
+@dataclass
+class Request:
+    """One sequence to generate (a choice of a completion: ``n`` choices are ``n`` requests).
+
+    ``top_logprobs``: None (no log-probabilities), or how many alternatives to give beside each token's (0-20).
+    """
+
+    prompt: list
+    max_tokens: int
+    emit: object  # callable(kind, payload), called from the engine thread
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple = ()
+    top_logprobs: int | None = None
+    deadline: float = math.inf  # time.monotonic() after which it is stopped
+    cancelled: bool = False
+    # the engine's state
+    tokens: list = field(default_factory=list)  # prompt + new
+    pages: list = field(default_factory=list)
+    computed: int = 0  # tokens whose keys and values are in pages
+    published: int = 0  # leading pages offered to the prefix cache
+    cached_tokens: int = 0
+    admitted: int = 0  # times admitted (more than once: it was preempted)
+    arrived: float = 0.0
+    first_token_at: float | None = None
+    new: list = field(default_factory=list)
+    text: object = None  # its TextStream
+    rng: object = None  # its generator, when sampled
+    final_text: str | None = None  # the text cut before a stop string
+    step_tokens: int = 0  # tokens it runs in the current step
+
+    def cancel(self) -> None:
+        """Stop it at the next step (its pages freed); safe from any thread."""
+        self.cancelled = True
+
+
+class Scheduler:
+    """The engine: a thread running the model over every admitted request, a step at a time.
+
+    Parameters
+    ----------
+    lm : qkv.models.engines.decoder.CausalLM
+    num_pages, page_size : int
+        The key/value pool: ``num_pages * page_size`` tokens over all requests.
+    max_batch : int
+        Requests running at once.
+    max_waiting : int
+        Requests queued beyond them; :meth:`submit` refuses more (the server answers 429).
+    prefill_chunk : int
+        Prompt tokens a step at most.
+    threads : int, optional
+        qkv's threads for the engine (``--threads``).
+    batch_invariant : bool
+        Products summed in an order that does not depend on the batch (the default).
+    seed : int
+        Seeds the generators of sampled requests that give none.
+    """
+
+    def __init__(self, lm, *, num_pages: int = 1024, page_size: int = 16, max_batch: int = 16, max_waiting: int = 64, prefill_chunk: int = 128,
+                 threads: int | None = None, batch_invariant: bool = True, seed: int = 0):  # fmt: skip
+        cfg = lm.config
+        self.lm = lm
+        self.pool = PagePool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.page_size, self.max_batch, self.max_waiting, self.prefill_chunk = page_size, max_batch, max_waiting, prefill_chunk
+        self.threads, self.batch_invariant = threads, batch_invariant
+        self.eos = set(lm.tokenizer.eos_ids if lm.tokenizer is not None else ())
+        self._seeds = np.random.SeedSequence(seed)
+        self.waiting: deque = deque()
+        self.running: list = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="qkv-engine", daemon=True)
+        # figures for /metrics
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.steps = 0
+        self.preempted = 0
+        self.ttft: list = []  # seconds, the last ones
+        self._recent: deque = deque()  # (time, tokens generated) of the last steps: tokens/s
+        self.failed: BaseException | None = None
+
+    # ------------------------------------------------------------ the HTTP side
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def submit(self, req: Request) -> bool:
+        """Queue ``req``; False when the queue is full (nothing queued)."""
+        with self._cv:
+            if len(self.waiting) >= self.max_waiting:
+                return False
+            req.arrived = time.monotonic()
+            req.tokens = list(req.prompt)
+            self.waiting.append(req)
+            self._cv.notify()
+        return True
+
+    def tokens_per_s(self) -> float:
+        """Generated tokens a second over the last 10 s of steps."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= 10]
+        if len(recent) < 2:
+            return 0.0
+        return sum(n for _, n in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-9)
+
+    # ------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        with set_num_threads(self.threads) if self.threads else _nothing():
+            while True:
+                with self._cv:
+                    while not self._stop and not self.waiting and not self.running:
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                try:
+                    self.step()
+                except Exception as exc:  # a bug: every request gets an error, the server goes on
+                    self.failed = exc
+                    for req in list(self.running) + list(self.waiting):
+                        self._finish(req, error="internal error in the engine")
+                    with self._cv:
+                        self.waiting.clear()
+                    self.running = []
+        for req in list(self.running) + list(self.waiting):
+            self._finish(req, error="the server is shutting down")
+
+    def _finish(self, req: Request, reason: str | None = None, *, error: str | None = None) -> None:
+        if req.pages:
+            self.pool.release(req.pages)
+            req.pages = []
+        if req in self.running:
+            self.running.remove(req)
+        if error is not None:
+            req.emit("error", {"message": error})
+            return
+        req.emit("done", {"finish_reason": reason, "prompt_tokens": len(req.prompt), "completion_tokens": len(req.new), "cached_tokens": req.cached_tokens})
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            if req.cancelled:
+                with self._cv:
+                    self.waiting.popleft()
+                req.emit("done", {"finish_reason": "cancelled", "prompt_tokens": len(req.prompt), "completion_tokens": len(req.new), "cached_tokens": req.cached_tokens})
+                continue
+            pages, covered = self.pool.lookup(req.tokens, limit=len(req.tokens) - 1)  # at least one token to compute: its logits
+            need = self.pages_for(len(req.tokens)) - len(pages)
+            if need + len(self.running) + 1 > self.pool.available:  # its prompt, and room for every running one to grow
+                self.pool.release(pages)
+                break  # wait for pages (first come, first served)
+            with self._cv:
+                self.waiting.popleft()
+            req.pages, req.computed, req.published = pages, covered, len(pages)
+            if not req.admitted:
+                req.cached_tokens = covered
+                self.prompt_tokens += len(req.prompt)
+                self.cached_prompt_tokens += covered
+                req.text = TextStream(self.lm.tokenizer, req.stop) if self.lm.tokenizer is not None else None
+                if req.temperature > 0:
+                    req.rng = np.random.default_rng(req.seed if req.seed is not None else self._seeds.spawn(1)[0])
+            req.admitted += 1
+            self.running.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        """Give ``req``'s pages back and queue it first, to be computed again from what the cache still holds."""
+        self.pool.release(req.pages)
+        req.pages, req.computed, req.published = [], 0, 0
+        self.running.remove(req)
+        self.preempted += 1
+        with self._cv:
+            self.waiting.appendleft(req)
+
+    def _plan(self) -> list:
+        """Each running request's tokens this step (``step_tokens``), the pages they need taken from the pool."""
+        budget = self.prefill_chunk
+        for req in sorted(self.running, key=lambda r: len(r.tokens) - r.computed > 1):  # decoding ones first
+            left = len(req.tokens) - req.computed
+            req.step_tokens = 1 if left == 1 else min(left, budget)
+            if left > 1:
+                budget -= req.step_tokens
+        while True:
+            need = sum(max(0, self.pages_for(r.computed + r.step_tokens) - len(r.pages)) for r in self.running)
+            if need <= self.pool.available or len(self.running) == 1:
+                break
+            self._preempt(self.running[-1])  # the last admitted
+        for req in self.running:
+            while len(req.pages) * self.page_size < req.computed + req.step_tokens:
+                req.pages.append(self.pool.allocate())  # OutOfPages only if one request alone outgrows the pool
+        return [r for r in self.running if r.step_tokens > 0]
+
+    def step(self) -> None:
+        now = time.monotonic()
+        for req in list(self.running):
+            if req.cancelled:
+                self._finish(req, "cancelled")
+            elif now > req.deadline:
+                self._finish(req, error="the request ran past its deadline")
+        with self._cv:
+            expired = [r for r in self.waiting if now > r.deadline]
+            for r in expired:
+                self.waiting.remove(r)
+        for r in expired:
+            r.emit("error", {"message": "the request ran past its deadline while waiting"})
+        self._admit()
+        if not self.running:
+            return
+        order = self._plan()
+        tokens, rows, positions, logits_for, want = [], [], [], [], []
+        for b, req in enumerate(order):
+            n = req.step_tokens
+            tokens += req.tokens[req.computed : req.computed + n]
+            rows += [b] * n
+            positions += range(req.computed, req.computed + n)
+            if req.computed + n == len(req.tokens):
+                logits_for.append(len(tokens) - 1)
+                want.append(req)
+        width = max(len(r.pages) for r in order)
+        table = np.zeros((len(order), width), np.int64)
+        for b, req in enumerate(order):
+            table[b, : len(req.pages)] = req.pages
+        batch = Batch(tokens, rows, positions, table, logits_for, self.page_size)
+        logits = forward_step(self.lm, self.pool, batch, batch_invariant=self.batch_invariant)
+        self.steps += 1
+        for req in order:
+            req.computed += req.step_tokens
+            req.step_tokens = 0
+            full = req.computed // self.page_size
+            while req.published < full:  # offer each newly full page to the prefix cache
+                k = req.published
+                self.pool.publish(req.pages[k], req.tokens[k * self.page_size : (k + 1) * self.page_size], parent=req.pages[k - 1] if k else None)
+                req.published += 1
+        now = time.monotonic()
+        for req, lg in zip(want, logits):
+            self._sample(req, lg, now)
+        self._recent.append((now, len(want)))
+        while self._recent and now - self._recent[0][0] > 10:
+            self._recent.popleft()
+
+    def _sample(self, req: Request, logits: np.ndarray, now: float) -> None:
+        tok = next_token(logits, temperature=req.temperature, top_p=req.top_p, rng=req.rng)
+        info = {"token": tok}
+        if req.top_logprobs is not None:
+            lp = _log_softmax(logits)
+            info["logprob"] = float(lp[tok])
+            k = req.top_logprobs
+            if k:
+                top = np.argsort(-lp, kind="stable")[:k]
+                info["top"] = [(int(t), float(lp[t])) for t in top]
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.ttft.append(now - req.arrived)
+            del self.ttft[:-1000]
+        req.new.append(tok)
+        req.tokens.append(tok)
+        self.generated_tokens += 1
+        reason = None
+        if tok in self.eos:
+            reason = "stop"
+            info["text"] = ""
+        else:
+            info["text"] = req.text.push(tok) if req.text is not None else ""
+            if req.stop:
+                text = self.lm.tokenizer.decode(req.new)
+                hits = [text.find(x) for x in req.stop if x in text]
+                if hits:
+                    reason = "stop"
+                    req.final_text = text[: min(hits)]
+            if reason is None and len(req.new) >= req.max_tokens:
+                reason = "length"
+        req.emit("token", info)
+        if reason is not None:
+            if req.text is not None:
+                final = req.final_text if req.final_text is not None else self.lm.tokenizer.decode(req.new)
+                rest = req.text.finish(final)
+                if rest:
+                    req.emit("token", {"token": None, "text": rest})
+            self._finish(req, reason)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:  # (V,) -> (V,) float64: one row, on its own
+    x = logits.astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

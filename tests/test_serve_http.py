@@ -1,0 +1,268 @@
+"""``qkv serve`` as users run it: a real server process, the official openai client, raw HTTP for the rest."""
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")  # the test extra installs it: CI runs these
+
+KEY = "test-key-123"
+PREFIX = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'old', 'new'][i % 5]} house number {i * 7}." for i in range(60))  # about 600 tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args):
+        self.port = free_port()
+        env = {**os.environ, "QKV_NUM_THREADS": "2"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "qkv", "serve", "--port", str(self.port), "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.log = []
+        self.reader = threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError("qkv serve exited:\n" + "".join(self.log))
+            try:
+                if self.get("/health")[0] in (200, 401):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("qkv serve did not start:\n" + "".join(self.log))
+
+    def request(self, method, path, body=None, *, key=KEY, headers=None, raw=None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+        c.request(method, path, body=raw if raw is not None else (None if body is None else json.dumps(body)), headers=h)
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        try:
+            return r.status, json.loads(data), dict(r.getheaders())
+        except ValueError:
+            return r.status, data.decode(), dict(r.getheaders())
+
+    def get(self, path, **kw):
+        return self.request("GET", path, **kw)
+
+    def metric(self, name) -> float:
+        text = self.get("/metrics")[1]
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    def client(self):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.reader.join(timeout=10)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--api-key", KEY, "--max-batch", "8", "--kv-tokens", "8192", "--context", "2048", "--max-tokens", "256")
+    yield s
+    s.stop()
+
+
+def qkv_cli(*args):
+    r = subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_greedy_completion_and_chat_equal_qkv_generate(server):
+    c = server.client()
+    prompt = "The capital of France is"
+    ref = json.loads(qkv_cli("generate", prompt, "--max-new-tokens", "16", "--json"))
+    got = c.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=16, temperature=0)
+    assert got.choices[0].text == ref["text"] and got.usage.completion_tokens == len(ref["token_ids"])
+    assert got.usage.prompt_tokens == len(ref["prompt_ids"])
+    question = "Name three colours."
+    ref = json.loads(qkv_cli("generate", question, "--chat", "--max-new-tokens", "16", "--json"))
+    got = c.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == ref["text"] and got.usage.completion_tokens == len(ref["token_ids"])
+    assert got.choices[0].finish_reason == {"length": "length", "eos": "stop", "stop": "stop"}[ref["stop_reason"]]
+
+
+def test_streaming_equals_not_streaming(server):
+    c = server.client()
+    kw = dict(model="gemma3-270m", messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
+    whole = c.chat.completions.create(**kw)
+    chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    lps = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert text == whole.choices[0].message.content
+    assert [(x.token, x.logprob, [t.logprob for t in x.top_logprobs]) for x in lps] == [(x.token, x.logprob, [t.logprob for t in x.top_logprobs]) for x in whole.choices[0].logprobs.content]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    s = c.completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=7, stream=True)
+    assert "".join(ch.choices[0].text for ch in s) == c.completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=7).choices[0].text
+
+
+def _ask(c, i, n_tokens):
+    r = c.completions.create(model="gemma3-270m", prompt=f"Story {i}: " + "once " * (i * 3) + "there was", max_tokens=n_tokens, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    return r.choices[0].text, lp.token_logprobs, lp.top_logprobs
+
+
+def test_concurrent_requests_each_equal_the_same_request_alone_bit_for_bit(server):
+    c = server.client()
+    lengths = [12, 5, 20, 9, 16, 3, 14, 7]  # different prompts, different lengths: they join and leave the batch
+    alone = [_ask(c, i, n) for i, n in enumerate(lengths)]
+    together = [None] * 8
+    threads = [threading.Thread(target=lambda i=i, n=n: together.__setitem__(i, _ask(c, i, n))) for i, n in enumerate(lengths)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b in zip(alone, together):
+        assert a == b  # the text, every token's log-probability and its top 2, as floats: the same bits
+    assert server.metric("qkv_kv_pages_in_use") == 0
+
+
+def test_a_shared_prefix_is_computed_once(server):
+    c = server.client()
+
+    def ttft(question):
+        t0 = time.perf_counter()
+        stream = c.chat.completions.create(model="gemma3-270m", messages=[{"role": "system", "content": PREFIX}, {"role": "user", "content": question}], max_tokens=3, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})  # fmt: skip
+        first = None
+        for ch in stream:
+            if first is None and ch.choices and ch.choices[0].delta.content:
+                first = time.perf_counter() - t0
+            usage = ch.usage
+        return first, usage
+
+    t1, u1 = ttft("What colour is house 7?")
+    t2, u2 = ttft("What colour is house 14?")
+    assert u1.prompt_tokens > 550
+    assert u2.prompt_tokens_details.cached_tokens >= u1.prompt_tokens - 32  # all but the last page or two
+    assert t2 < t1
+
+
+BAD = [
+    ("POST", "/v1/chat/completions", b"{not json", 400, None),
+    ("POST", "/v1/chat/completions", b"[1, 2]", 400, None),
+    ("POST", "/v1/chat/completions", {"model": "gemma3-270m"}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "max_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 99}, 400, "n"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}, 400, "presence_penalty"),
+    ("POST", "/v1/completions", {"prompt": "word " * 3000, "max_tokens": 10}, 400, "messages"),
+    ("POST", "/v1/completions", {"prompt": [-5, 3]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
+    ("POST", "/v1/completions", b'{"prompt": "' + b"x" * (2 << 20) + b'"}', 413, None),
+    ("POST", "/v1/embeddings", {"input": []}, 400, "input"),
+    ("GET", "/v1/nothing", None, 404, None),
+    ("GET", "/v1/chat/completions", None, 405, None),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,param", BAD, ids=[f"{i}-{b[1]}-{b[3]}" for i, b in enumerate(BAD)])
+def test_every_bad_request_gets_its_status_and_an_openai_error(server, method, path, body, status, param):
+    got, data, _ = server.request(method, path, None if isinstance(body, bytes) else body, raw=body if isinstance(body, bytes) else None)
+    assert got == status, data
+    assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"} and data["error"]["message"]
+    assert "Traceback" not in data["error"]["message"]
+    if param is not None:
+        assert data["error"]["param"] == param
+    ok = server.request("POST", "/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 2, "temperature": 0})
+    assert ok[0] == 200 and ok[1]["choices"][0]["text"]
+
+
+def test_the_api_key_is_required(server):
+    assert server.get("/v1/models", key=None)[0] == 401
+    status, data, _ = server.get("/v1/models", key="wrong")
+    assert status == 401 and data["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in server.client().models.list().data] == ["gemma3-270m", "minilm"]
+
+
+def test_clients_gone_mid_stream_leave_no_pages_in_use(server):
+    before = server.metric("qkv_generation_tokens_total")
+    for i in range(20):
+        c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": f"Count to one hundred, {i}:", "max_tokens": 200, "temperature": 0, "stream": True}), {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200
+        r.fp.readline()  # the first event, then the client goes
+        c.sock.close()
+        c.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (server.metric("qkv_kv_pages_in_use") or server.metric("qkv_requests_running") or server.metric("qkv_requests_waiting")):
+        time.sleep(0.2)
+    assert server.metric("qkv_kv_pages_in_use") == 0 and server.metric("qkv_requests_running") == 0
+    assert server.metric("qkv_generation_tokens_total") - before < 20 * 200 / 2  # cancelled, not run to the end
+    ok = server.client().completions.create(model="gemma3-270m", prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_embeddings_equal_qkv_embed(server):
+    texts = ["The cat sat on the mat.", "A dog slept by the door."]
+    ref = np.array(json.loads(qkv_cli("embed", *texts, "--json"))["embeddings"], np.float32)
+    got = server.client().embeddings.create(model="minilm", input=texts)  # the client asks for base64
+    np.testing.assert_array_equal(np.array([d.embedding for d in got.data], np.float32), ref)
+    status, data, _ = server.request("POST", "/v1/embeddings", {"input": texts[0], "encoding_format": "float"})
+    assert status == 200 and np.array_equal(np.array(data["data"][0]["embedding"], np.float32), ref[0])
+
+
+def test_n_choices_and_the_metrics(server):
+    r = server.client().completions.create(model="gemma3-270m", prompt="Colours:", max_tokens=6, temperature=1.0, seed=3, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and 3 <= r.usage.completion_tokens <= 18
+    again = server.client().completions.create(model="gemma3-270m", prompt="Colours:", max_tokens=6, temperature=1.0, seed=3, n=3)
+    assert [ch.text for ch in again.choices] == [ch.text for ch in r.choices]  # a seed gives the same samples
+    text = server.get("/metrics")[1]
+    for name in ("qkv_requests_running", "qkv_requests_waiting", "qkv_kv_pages_in_use", "qkv_generation_tokens_per_second", "qkv_time_to_first_token_seconds", "qkv_generation_tokens_total"):
+        assert name in text
+
+
+def test_a_full_queue_gets_429_and_a_deadline_504():
+    s = Server("--max-batch", "1", "--max-waiting", "1", "--timeout", "3", "--embedding-model", "none")
+    try:
+        results = []
+
+        def ask():
+            results.append(s.request("POST", "/v1/completions", {"prompt": "Count: 1, 2, 3,", "max_tokens": 256, "temperature": 0}, key=None))
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join()
+        statuses = sorted(r[0] for r in results)
+        assert 429 in statuses, statuses
+        busy = next(r for r in results if r[0] == 429)
+        assert busy[2].get("retry-after") == "1" and busy[1]["error"]["type"] == "rate_limit_error"
+        assert 504 in statuses  # 256 tokens take longer than 3 s here
+        assert s.get("/health")[1]["status"] == "ok"
+        assert s.metric("qkv_kv_pages_in_use") == 0
+    finally:
+        s.stop()

@@ -1,0 +1,239 @@
+"""qkv serve's parts without the HTTP server: pages, paged attention, row-invariant products, the engine step.
+
+The server itself (the openai client against a real process) is tests/test_serve_http.py.
+"""
+
+import numpy as np
+import pytest
+
+from qkv.models.engines.text_stream import TextStream
+from qkv.models.formats.quants import SUPPORTED
+from qkv.models.serving.engine import Batch, forward_step, paged_attention
+from qkv.models.serving.pages import OutOfPages, PagePool
+from qkv.models.serving.scheduler import Request, Scheduler
+from test_quants import float32_bound, random_blocks
+
+
+# ------------------------------------------------------------ pages
+
+
+def test_pages_are_shared_by_reference_and_cached_after_release():
+    pool = PagePool(num_layers=2, num_pages=4, page_size=2, num_kv_heads=1, head_dim=2)
+    a, b = pool.allocate(), pool.allocate()
+    pool.publish(a, [5, 6], parent=None)
+    pool.publish(b, [7, 8], parent=a)
+    got, covered = pool.lookup([5, 6, 7, 8, 9])
+    assert got == [a, b] and covered == 4 and pool.refs[a] == 2
+    assert pool.lookup([5, 6, 7, 8, 9], limit=3) == ([a], 2)  # whole pages within the limit only
+    pool.release([a])
+    assert pool.lookup([5, 7]) == ([], 0)  # another first page: nothing shared
+    assert pool.lookup([9, 9, 7, 8]) == ([], 0)  # the same second page after another first: not the same prefix
+    pool.release([a, b, a, b])
+    assert pool.pages_in_use == 0 and pool.cached_pages == 2 and pool.available == 4
+    with pytest.raises(ValueError, match="released twice"):
+        pool.release([a])
+
+
+def test_cached_pages_are_evicted_least_recently_used_first():
+    pool = PagePool(num_layers=1, num_pages=3, page_size=1, num_kv_heads=1, head_dim=1)
+    pages = [pool.allocate() for _ in range(3)]
+    for p, tok in zip(pages, (1, 2, 3)):
+        pool.publish(p, [tok], parent=None)
+    pool.release([pages[1]])
+    pool.release([pages[0]])  # used more recently than pages[1]
+    assert pool.allocate() == pages[1]  # the least recently used goes first, and is forgotten
+    assert pool.lookup([2]) == ([], 0)
+    assert pool.lookup([1]) == ([pages[0]], 1)
+    with pytest.raises(OutOfPages):
+        pool.allocate()
+
+
+def test_an_identical_page_published_twice_keeps_the_first():
+    pool = PagePool(num_layers=1, num_pages=2, page_size=1, num_kv_heads=1, head_dim=1)
+    a, b = pool.allocate(), pool.allocate()
+    pool.publish(a, [4], parent=None)
+    pool.publish(b, [4], parent=None)
+    pool.release([b])  # not published: free again, not cached
+    assert pool.cached_pages == 0 and pool.lookup([4]) == ([a], 1)
+
+
+def test_text_stream_never_shows_what_a_stop_string_takes_back():
+    class Chars:
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    s = TextStream(Chars(), stop=["STOP"])
+    shown = "".join(s.push(ord(c)) for c in "ab ST")
+    assert "S" not in shown and "ab ST".startswith(shown)
+    assert shown + s.finish("ab ") == "ab "
+    s = TextStream(Chars(), stop=["xyz"])
+    assert [s.push(ord(c)) for c in "ab"] == ["", ""]  # shorter than the stop string: nothing yet
+
+
+# ------------------------------------------------------------ paged attention against torch
+
+
+@pytest.mark.parametrize("window,softcap,sinks,alibi", [(None, None, False, False), (5, None, False, False), (None, 30.0, True, False), (3, None, False, True)])
+def test_paged_attention_equals_torch_over_gathered_keys(torch, window, softcap, sinks, alibi):
+    rng = np.random.default_rng(0)
+    Hq, Hk, D, page, P = 4, 2, 16, 4, 12
+    lengths = [7, 1, 11]  # each sequence's tokens; the last 3 of each are this step's queries
+    kp = rng.standard_normal((P, page, Hk, D)).astype(np.float32)
+    vp = rng.standard_normal((P, page, Hk, D)).astype(np.float32)
+    order = rng.permutation(P)  # pages in any order
+    table = np.zeros((3, 3), np.int64)
+    used = 0
+    for b, n in enumerate(lengths):
+        k = -(-n // page)
+        table[b, :k] = order[used : used + k]
+        used += k
+    rows, positions = [], []
+    for b, n in enumerate(lengths):
+        for p in range(max(0, n - 3), n):
+            rows.append(b)
+            positions.append(p)
+    T = len(rows)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    sink = rng.standard_normal(Hq).astype(np.float32) if sinks else None
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32) if alibi else None
+    scale = D**-0.5
+    out = paged_attention(q, kp, vp, table, rows, positions, window=window, scale=scale, softcap=softcap, sinks=sink, alibi_slopes=slopes)
+    assert out.dtype == np.float32 and out.shape == (T, Hq, D)
+    F = torch.nn.functional
+    for t in range(T):  # torch, float64, over the sequence's keys gathered by hand
+        b, p = rows[t], positions[t]
+        keys = np.concatenate([kp[table[b, j // page], j % page][None] for j in range(p + 1)])  # (S, Hk, D)
+        vals = np.concatenate([vp[table[b, j // page], j % page][None] for j in range(p + 1)])
+        kk = torch.tensor(np.repeat(keys, Hq // Hk, axis=1).transpose(1, 0, 2), dtype=torch.float64)  # (Hq, S, D)
+        vv = torch.tensor(np.repeat(vals, Hq // Hk, axis=1).transpose(1, 0, 2), dtype=torch.float64)
+        qq = torch.tensor(q[t][:, None, :], dtype=torch.float64)  # (Hq, 1, D)
+        s = (qq @ kk.transpose(-1, -2)) * scale  # (Hq, 1, S)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        j = torch.arange(p + 1, dtype=torch.float64)
+        if alibi:
+            s = s - torch.tensor(slopes, dtype=torch.float64)[:, None, None] * (p - j)
+        if window:
+            s = s.masked_fill(j <= p - window, float("-inf"))
+        if sinks:
+            s = torch.cat([s, torch.tensor(sink, dtype=torch.float64)[:, None, None]], dim=-1)
+        w = torch.softmax(s, dim=-1)[..., : p + 1]
+        ref = (w @ vv)[:, 0].numpy()  # (Hq, D)
+        np.testing.assert_allclose(out[t], ref, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------ row-invariant products
+
+
+@pytest.mark.parametrize("qtype", ["F32", *SUPPORTED])
+def test_row_invariant_products_give_each_token_the_same_bits_in_any_batch(qtype):
+    from qkv.models.formats.quants import QuantizedMatrix, dequantize_rows, matmul, row_invariant
+
+    rng = np.random.default_rng(1)
+    if qtype == "F32":
+        w = rng.standard_normal((70, 512)).astype(np.float32)
+        ref_w = w.astype(np.float64)
+    else:
+        w = QuantizedMatrix(random_blocks(qtype, 70, 512, rng), qtype, (70, 512))
+        ref_w = dequantize_rows(w.raw, qtype, 512).astype(np.float64)  # gguf's own decoder
+    x = rng.standard_normal((45, 512)).astype(np.float32)
+    with row_invariant():
+        alone = np.concatenate([matmul(x[t : t + 1], w) for t in range(len(x))])
+        for n in (2, 5, 33, 45):  # batches below, at and past the chunk of 32 tokens
+            got = np.concatenate([matmul(x[t : t + n], w) for t in range(0, len(x), n)])
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, alone)
+    ref = x.astype(np.float64) @ ref_w.T
+    assert np.abs(alone - ref).max() <= float32_bound(x, ref_w, ref)
+    outside = np.concatenate([matmul(x[t : t + 1], w) for t in range(len(x))])  # the default products: the same values to rounding
+    assert np.abs(outside - ref).max() <= float32_bound(x, ref_w, ref)
+
+
+# ------------------------------------------------------------ the engine step on the real model
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from qkv.models import load_causal_lm
+
+    return load_causal_lm()
+
+
+def _generate(lm, pool, prompts, chunk, steps, *, together=True):
+    """Greedy tokens and every step's logits of several prompts, run side by side through forward_step."""
+    PS = pool.page_size
+    seqs = [{"toks": list(p), "pages": [], "done": 0, "logits": []} for p in prompts]
+    for _ in range(steps):
+        groups = [seqs] if together else [[s] for s in seqs]
+        for group in groups:
+            while any(s["done"] < len(s["toks"]) for s in group):
+                toks, rows, pos, want = [], [], [], []
+                for b, s in enumerate(group):
+                    n = min(chunk, len(s["toks"]) - s["done"])
+                    while len(s["pages"]) * PS < s["done"] + n:
+                        s["pages"].append(pool.allocate())
+                    toks += s["toks"][s["done"] : s["done"] + n]
+                    rows += [b] * n
+                    pos += range(s["done"], s["done"] + n)
+                    if n and s["done"] + n == len(s["toks"]):
+                        want.append((b, len(toks) - 1))
+                    s["done"] += n
+                table = np.zeros((len(group), max(len(s["pages"]) for s in group)), np.int64)
+                for b, s in enumerate(group):
+                    table[b, : len(s["pages"])] = s["pages"]
+                logits = forward_step(lm, pool, Batch(toks, rows, pos, table, [i for _, i in want], PS))
+                for (b, _), lg in zip(want, logits):
+                    group[b]["logits"].append(lg.copy())
+            for s in group:
+                s["toks"].append(int(s["logits"][-1].argmax()))
+    for s in seqs:
+        pool.release(s["pages"])
+    return seqs
+
+
+def test_engine_logits_are_the_same_bits_alone_batched_and_in_any_chunk(lm):
+    cfg = lm.config
+    pool = PagePool(cfg.num_layers, 64, 8, cfg.num_kv_heads, cfg.head_dim)
+    texts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a land far away, there lived"]
+    prompts = [lm.tokenizer.encode(t) for t in texts]
+    alone = _generate(lm, pool, prompts, chunk=64, steps=4, together=False)
+    together = _generate(lm, pool, prompts, chunk=5, steps=4)  # other prompts beside it, prompts in chunks of 5
+    for a, b in zip(alone, together):
+        assert a["toks"] == b["toks"]
+        for x, y in zip(a["logits"], b["logits"]):
+            assert x.dtype == np.float32
+            np.testing.assert_array_equal(x, y)
+    ref = lm.generate(prompts[0], max_new_tokens=4)  # and the model's own generate, token for token
+    assert alone[0]["toks"][len(prompts[0]) :] == ref.token_ids
+
+
+def test_scheduler_preempts_and_recomputes_without_changing_an_answer(lm):
+    """A pool too small for two requests at once: one is preempted, recomputed later, same tokens."""
+    got = {}
+
+    def runner(name):
+        events = []
+
+        def emit(kind, payload):
+            events.append((kind, payload))
+
+        got[name] = events
+        return emit
+
+    prompt = lm.tokenizer.encode("Counting: one, two, three,")
+
+    def run(pages, names):
+        s = Scheduler(lm, num_pages=pages, page_size=4, max_batch=4, prefill_chunk=64)
+        for n in names:
+            s.submit(Request(prompt=prompt, max_tokens=12, emit=runner(n), top_logprobs=0))
+        while s.running or s.waiting:
+            s.step()
+        return s
+
+    run(64, ["alone"])
+    s = run(9, ["a", "b"])  # 9 pages of 4: each request grows to 5, so both cannot finish side by side
+    assert s.preempted > 0 and s.pool.pages_in_use == 0
+    toks = [[p["token"] for k, p in got[n] if k == "token" and p.get("token") is not None] for n in ("alone", "a", "b")]
+    lps = [[p["logprob"] for k, p in got[n] if k == "token" and p.get("token") is not None] for n in ("alone", "a", "b")]
+    assert toks[0] == toks[1] == toks[2] and len(toks[0]) == 12
+    assert lps[0] == lps[1] == lps[2]

@@ -131,6 +131,36 @@ def test_a_documented_command_runs_as_written(command, doc, workdir, request):
     sub = shlex.split(command.split("|")[-1].split("#")[0])[1]
     if "--index corpus.npy" in command and not (workdir / "corpus.npy").exists():  # search reads what embed --input wrote
         subprocess.run("qkv embed --input corpus.txt --output corpus.npy", shell=True, cwd=workdir, env=env, check=True, capture_output=True)
+    if sub == "serve":  # a server runs until stopped: it counts once it answers /health
+        return _serve_answers(command, doc, workdir, env)
     r = subprocess.run(command, shell=True, cwd=workdir, env=env, input=STDIN.get(sub, ""), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{doc}: {command}\n{r.stderr[-2000:]}"
     assert "Traceback" not in r.stderr and "error" not in r.stderr.lower(), f"{doc}: {command}\n{r.stderr[-2000:]}"
+
+
+def _serve_answers(command, doc, workdir, env):
+    """``qkv serve ...`` as written, on a free port (the last --port wins): up, /health answers, stopped."""
+    import http.client
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(shlex.split(command.split("#")[0]) + ["--port", str(port)], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None and status is None:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/health")
+                status = c.getresponse().status
+                c.close()
+            except OSError:
+                time.sleep(0.3)
+        assert status == 200, f"{doc}: {command} did not answer /health (exit {proc.poll()})"
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err, f"{doc}: {command}\n{err[-2000:]}"

@@ -46,8 +46,8 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from ..models.serving.api import Limits, create_app
-        from ..models.serving.scheduler import Scheduler
+        from ..models.serving.api import Limits
+        from ..models.serving.server import build
     except ImportError as exc:
         raise CLIError(f"qkv serve needs the serve extra ({exc.name} is missing): pip install 'qkv[serve]'") from None
     for name in ("port", "max_batch", "max_waiting", "context", "max_tokens", "kv_tokens", "page_size", "prefill_chunk", "max_body"):
@@ -78,10 +78,9 @@ def cmd_serve(args) -> int:
             return loaded[0]
 
     name = args.model_name or (DECODER_NAME if args.model in (None, DECODER_NAME) else os.path.basename(os.path.normpath(args.model)))
-    scheduler = Scheduler(lm, num_pages=-(-args.kv_tokens // args.page_size), page_size=args.page_size, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                          prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, seed=args.seed)  # fmt: skip
     limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_context=args.context, timeout_s=args.timeout)
-    app = create_app(scheduler, lm, model_name=name, limits=limits, api_key=key, embedder=embedder, embedding_name=embedding_name)
+    scheduler, app = build(lm, model_name=name, api_key=key, embedder=embedder, embedding_name=embedding_name, kv_tokens=args.kv_tokens, page_size=args.page_size, max_batch=args.max_batch,
+                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, seed=args.seed, limits=limits)  # fmt: skip
     scheduler.start()
     where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
     print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'})", file=sys.stderr, flush=True)

@@ -212,13 +212,18 @@ class _Server:
                 raise APIError(429, f"the server is busy: {self.scheduler.max_waiting} requests are waiting; try again shortly", code="queue_full", kind="rate_limit_error", headers={"Retry-After": "1"})
             reqs.append(r)
         open_ = set(range(n))
+        checked = time.monotonic()
         try:
             while open_:
                 try:
                     i, kind, payload = await asyncio.wait_for(queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
+                    i = kind = payload = None
+                if time.monotonic() - checked > 0.5:  # a client gone (waiting for a whole answer too): stop its work
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if kind is None:
                     continue
                 if kind != "token":
                     open_.discard(i)

@@ -166,8 +166,10 @@ def prefix(port):
         r = c.getresponse()
         first = None
         for raw in r:
-            if raw.startswith(b"data: ") and b'"content": "' in raw and b'"content": ""' not in raw and first is None:
-                first = time.perf_counter() - t0
+            line = raw.decode().strip()
+            if first is None and line.startswith("data: {"):
+                if any((ch.get("delta") or {}).get("content") for ch in json.loads(line[6:]).get("choices", [])):
+                    first = time.perf_counter() - t0
         c.close()
         return first
 

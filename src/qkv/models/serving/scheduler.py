@@ -135,7 +135,8 @@ class Scheduler:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
@@ -296,12 +297,13 @@ class Scheduler:
         tok = next_token(logits, temperature=req.temperature, top_p=req.top_p, rng=req.rng)
         info = {"token": tok}
         if req.top_logprobs is not None:
-            lp = _log_softmax(logits)
-            info["logprob"] = float(lp[tok])
+            log_z = _log_sum_exp(logits)
+            info["logprob"] = float(logits[tok]) - log_z
             k = req.top_logprobs
-            if k:
-                top = np.argsort(-lp, kind="stable")[:k]
-                info["top"] = [(int(t), float(lp[t])) for t in top]
+            if k:  # the k largest, without sorting the whole vocabulary (a full sort cost 25 ms a token)
+                top = np.argpartition(-logits, k - 1)[:k]
+                top = top[np.lexsort((top, -logits[top]))]  # most likely first, ties by id
+                info["top"] = [(int(t), float(logits[t]) - log_z) for t in top]
         if req.first_token_at is None:
             req.first_token_at = now
             self.ttft.append(now - req.arrived)
@@ -333,10 +335,11 @@ class Scheduler:
             self._finish(req, reason)
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:  # (V,) -> (V,) float64: one row, on its own
-    x = logits.astype(np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+def _log_sum_exp(logits: np.ndarray) -> float:  # (V,) float32 -> log sum exp, as a float64
+    """log(sum(exp(logits))), one row on its own: a log-probability is ``logits[t] - _log_sum_exp(logits)``.
+    The exponentials in float32 (each within a float32 rounding of exp), their sum in float64."""
+    m = logits.max()
+    return float(m) + float(np.log(np.exp(logits - m).sum(dtype=np.float64)))
 
 
 class _nothing:

@@ -373,19 +373,8 @@ class CausalLM:
             pos = np.maximum(np.cumsum(real, axis=1) - 1, 0)[:, start:]  # (B, L): positions count real tokens
             rope_pos = pos[:, None, :]  # (B, 1, L): broadcast over heads
             key_mask = real[:, None, None, :]  # (B, 1, 1, S + L)
-        h = self.embed[ids] if isinstance(self.embed, np.ndarray) else self.embed.take(ids)  # (B, L, E), a copy
-        if cfg.embed_scale != 1.0:
-            h *= self._embed_scale
-        if self.positions is not None:
-            h += self.positions[pos]
-        if self.embed_norm is not None:
-            h = cfg.normalize(h, self.embed_norm)
-        angles = {}
-
-        def rope_at(base):  # cos and sin of these positions, shared by the layers with this base
-            if base not in angles:
-                angles[base] = rope_angles(rope_pos, cfg.head_dim, base, frequencies=self._rope_freqs, attention_factor=cfg.rope_attention_factor)
-            return angles[base]
+        h = self._embed_tokens(ids, pos)  # (B, L, E)
+        rope_at = self._rope_at(rope_pos)
 
         def attend(i, q, k, v):  # (B, Hq, L, D), (B, Hk, L, D) x 2 -> (B, Hq, L, D), weights or None
             if cache is not None:
@@ -419,12 +408,40 @@ class CausalLM:
                 hidden.append(h.copy())
         if logits_to_keep:
             h = h[:, -int(logits_to_keep) :]
-        h = cfg.normalize(h, self.final_norm)
-        logits = matmul(h, self.lm_head)  # (B, L, V)
+        logits = self._head(h)  # (B, L, V)
+        return CausalLMOutput(logits=logits, attentions=tuple(attentions) if output_attentions else None, hidden_states=tuple(hidden) if output_hidden_states else None)
+
+    def _embed_tokens(self, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:  # (..., L) ids, their positions -> (..., L, E), a copy
+        """The blocks' input: token embeddings (scaled), plus learned positions, then the embedding norm, where the family has them."""
+        cfg = self.config
+        h = self.embed[ids] if isinstance(self.embed, np.ndarray) else self.embed.take(ids)
+        if cfg.embed_scale != 1.0:
+            h *= self._embed_scale
+        if self.positions is not None:
+            h += self.positions[pos]
+        if self.embed_norm is not None:
+            h = cfg.normalize(h, self.embed_norm)
+        return h
+
+    def _rope_at(self, positions):  # (..., L) -> rope_at(base) -> (cos, sin)
+        """``rope_at(base)``: cos and sin of ``positions``, computed once per base and shared by the layers with it."""
+        cfg, angles = self.config, {}
+
+        def rope_at(base):
+            if base not in angles:
+                angles[base] = rope_angles(positions, cfg.head_dim, base, frequencies=self._rope_freqs, attention_factor=cfg.rope_attention_factor)
+            return angles[base]
+
+        return rope_at
+
+    def _head(self, h: np.ndarray) -> np.ndarray:  # (..., E) -> (..., V)
+        """Next-token logits of the last block's output: final norm, LM head, soft cap where the family has one."""
+        cfg = self.config
+        logits = matmul(cfg.normalize(h, self.final_norm), self.lm_head)
         if cfg.final_logit_softcap:
             c = np.float32(cfg.final_logit_softcap)
             logits = np.tanh(logits / c) * c
-        return CausalLMOutput(logits=logits, attentions=tuple(attentions) if output_attentions else None, hidden_states=tuple(hidden) if output_hidden_states else None)
+        return logits
 
     def _block(self, i: int, layer: DecoderLayer, h: np.ndarray, rope_at, attend):  # (B, L, E) updated in place -> weights or None
         """Block ``i`` on ``h``: ``rope_at(base)`` gives the positions' (cos, sin), ``attend(i, q, k, v)`` the

@@ -139,6 +139,13 @@ async def _read_json(request: HTTPRequest, limits: Limits, model):
 # ------------------------------------------------------------ the app
 
 
+async def _after(first, gen):
+    """``first``, then the rest of ``gen`` (its first event was awaited before the response began)."""
+    yield first
+    async for event in gen:
+        yield event
+
+
 class _Server:
     def __init__(self, scheduler, lm, model_name: str, limits: Limits, api_key: str | None, embedder, embedding_name: str | None):
         self.scheduler, self.lm, self.model_name, self.limits, self.api_key = scheduler, lm, model_name, limits, api_key
@@ -298,13 +305,7 @@ class _Server:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._sse(rid, kind, gen, first, body.n, include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         texts, logprobs, finish, dones = [""] * body.n, [[] for _ in range(body.n)], [None] * body.n, {}
-
-        async def events():
-            yield first
-            async for e in gen:
-                yield e
-
-        async for i, ev, payload in events():
+        async for i, ev, payload in _after(first, gen):
             if ev == "token":
                 texts[i] += payload["text"]
                 if payload.get("token") is not None and "logprob" in payload:
@@ -341,15 +342,10 @@ class _Server:
                 out["usage"] = usage
             return f"data: {json.dumps(out)}\n\n"
 
-        async def events():
-            yield first
-            async for e in gen:
-                yield e
-
         try:
             if kind == "chat.completion":
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)])
-            async for i, ev, payload in events():
+            async for i, ev, payload in _after(first, gen):
                 if ev == "token":
                     lp = None
                     if payload.get("token") is not None and "logprob" in payload:

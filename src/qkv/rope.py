@@ -215,6 +215,14 @@ def apply_rope(x, positions=None, *, base: float = 10000.0, style: str = "rotate
     if cos.shape[-1] != D // 2 or cos.shape[-2] != L:
         raise ValueError(f"positions should give one angle row per query row: angles {cos.shape}, x {x.shape}")
     cos, sin = cos.astype(x.dtype, copy=False), sin.astype(x.dtype, copy=False)
+    if style == "rotate_half" and x.dtype in (np.float32, np.float64) and x.size:
+        from . import flash
+
+        if flash.KERNEL == "numba":  # one compiled loop, the same bits (NumPy's six temporaries were 30 us a decode step's call)
+            from ._compiled import rope_
+
+            if (out := rope_(x, cos, sin)) is not None:
+                return out
     if style == "rotate_half":
         x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     else:

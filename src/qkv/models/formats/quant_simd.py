@@ -19,11 +19,14 @@ server needs to answer a request the same alone or beside others
 (:func:`qkv.models.formats.quants.row_invariant`), and here it costs nothing:
 a group of tokens shares the decoding of each block (:data:`GROUP`).
 
-Each block type gives one function, ``_runs_<type>(b, at) -> [(x offset, w)]``,
-that decodes block ``b`` of a row into runs of 32 float32 values with the
+Each block type gives one function, ``_runs_<type>(builder, row, b, at, d, dmin)
+-> [(x offset, w)]``, that emits the IR decoding block ``b`` of a row (its
+bytes at ``at``) into runs of 32 float32 values with the
 same operations, in the same order, as the exact decoders of
 :mod:`qkv.models.formats.quant_kernels` (``tests/test_quants.py`` checks the
-products against gguf's decoded weights, and their invariance).
+products against gguf's decoded weights, and their invariance). ``llvm.fma``
+is one instruction with FMA3 (x86 since 2013, every ARMv8); elsewhere LLVM calls
+``fmaf``, exact but slow.
 """
 
 from __future__ import annotations

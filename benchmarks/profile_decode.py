@@ -33,6 +33,7 @@ PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time", "The best
 
 def instrument(lm):
     """Wrap the decoder's calls with a clock; returns the tallies {part: seconds} and {part: bytes}."""
+    import qkv._compiled
     import qkv.cache
     import qkv.models.engines.decoder as dec
     from qkv.models.engines.config import ModelConfig
@@ -66,7 +67,8 @@ def instrument(lm):
         return r
 
     dec.matmul = product
-    dec.scaled_dot_product_attention = timed("attention (18 layers)", dec.scaled_dot_product_attention)
+    dec.scaled_dot_product_attention = timed("attention (18 layers)", dec.scaled_dot_product_attention)  # prefill
+    qkv._compiled.attend_one = timed("attention (18 layers)", qkv._compiled.attend_one)  # a decode step's (read at each call)
     dec.apply_rope = timed("RoPE", dec.apply_rope)
     dec.rms_norm = timed("query and key norms", dec.rms_norm)
     ModelConfig.normalize = timed("RMS norms (4 a layer, final)", ModelConfig.normalize)

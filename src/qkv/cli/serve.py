@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens a step at most, so a long prompt does not stall the others (default 128)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take before it is stopped (default 600)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
-    p.add_argument("--batch-variant", action="store_true", help="faster products whose last bits depend on the batch (default: batch-invariant answers)")
+    p.add_argument("--batch-variant", action="store_true", help="steps of more than 32 tokens (a prompt's chunk beside others) through BLAS tiles, whose last bits depend on the batch (default: batch-invariant answers)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that give no seed (default 0)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level (default info)")
     p.set_defaults(func=cmd_serve)

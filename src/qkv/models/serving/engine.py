@@ -15,16 +15,19 @@ ragged row of ``T`` tokens, each with its own sequence and position::
 depend on what it was batched with. Every reduction on this path adds in an
 order fixed by the row alone:
 
-- products: :func:`qkv.models.formats.quants.row_invariant` (each weight row
-  decoded, then one fixed-order dot a token, whatever their number);
+- products: :func:`qkv.models.formats.quants.row_invariant` (every token
+  through the block kernels of :mod:`qkv.models.formats.quant_simd`, whose
+  sums are written out a token at a time, 32 tokens a call at most);
 - attention: :func:`paged_attention`, one loop a (token, head) over that
   token's keys, in position order, whatever the other tokens;
-- norms, RoPE, activations: NumPy, a row at a time or elementwise.
+- norms, RoPE, activations: a row at a time or elementwise (compiled, one
+  code for every row's layout).
 
 So a token's keys, values and logits are the same bits alone, in a batch of
 any size, in any prefill chunk, or read from another request's shared page.
-``tests/test_serving.py`` checks it; ``batch_invariant=False`` uses the
-batch-dependent products instead (faster on one sequence) for comparison.
+``tests/test_serving.py`` checks it; ``batch_invariant=False`` sends steps of
+more than 32 tokens (a prompt's chunk beside others) through BLAS tiles
+instead, for comparison: their order of addition depends on the tile.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from numba import njit, prange, types
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
-__all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "layer_norm_", "rms_norm_", "rope_", "attend_one"]
+__all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "layer_norm_", "rms_norm_", "rope_", "attend_one", "exp_scores_"]
 
 _INF = math.inf
 
@@ -642,6 +642,20 @@ def rope_(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
     return out.reshape(x.shape)
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, inline="always")
+def exp_scores_(s, m, sinks, h):  # (n,) scores in place, their max, (H,) or (0,) sink logits, head -> the softmax's denominator
+    """s <- exp(s - m'), m' the max of the scores and head h's sink; returns their sum, the sink's share included."""
+    if sinks.size:
+        m = max(m, sinks[h])
+    total = np.float32(0)
+    for j in range(s.shape[0]):
+        s[j] = np.exp(s[j] - m)
+        total += s[j]
+    if sinks.size:
+        total += np.exp(sinks[h] - m)
+    return total
+
+
 def _attend_one(q, k, v, keep, window, scale, softcap, sinks, out):  # (B, Hq, D), (B, Hk, S, D), (B, Hk, S, Dv), (B, S) bool or (0, 0), int, f, f, (Hq,) or (0,), (B, Hq, Dv)
     B, Hq, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
@@ -668,14 +682,7 @@ def _attend_one(q, k, v, keep, window, scale, softcap, sinks, out):  # (B, Hq, D
         o[:] = 0
         if m == -np.inf:  # nothing to attend to: zeros (a sink alone takes no value)
             continue
-        if sinks.size:
-            m = max(m, sinks[hq])
-        total = np.float32(0)
-        for j in range(S - lo):
-            s[j] = np.exp(s[j] - m)
-            total += s[j]
-        if sinks.size:
-            total += np.exp(sinks[hq] - m)
+        total = exp_scores_(s, m, sinks, hq)
         for j in range(lo, S):
             w = s[j - lo] / total
             if w != 0:

@@ -37,6 +37,7 @@ import contextlib
 import numpy as np
 from numba import njit, prange
 
+from ..._compiled import exp_scores_
 from ..formats.quants import row_invariant
 from .pages import PagePool
 
@@ -66,14 +67,7 @@ def _paged_attention(q, kp, vp, table, row, pos, window, scale, softcap, sinks, 
             acc -= slopes[hq] * np.float32(pos[t] - j)  # ALiBi (slopes 0 otherwise)
             s[j - lo] = acc
             m = max(m, acc)
-        if sinks.size:
-            m = max(m, sinks[hq])
-        total = np.float32(0)
-        for j in range(n - lo):
-            s[j] = np.exp(s[j] - m)
-            total += s[j]
-        if sinks.size:
-            total += np.exp(sinks[hq] - m)
+        total = exp_scores_(s, m, sinks, hq)
         for d in range(D):
             out[t, hq, d] = 0
         for j in range(lo, n):

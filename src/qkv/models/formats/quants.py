@@ -56,7 +56,8 @@ _CODE = {name: i for i, name in enumerate(SUPPORTED)}
 TILE_ROWS = 256
 #: Up to this many tokens a product reads each row's blocks once for all of them (decode steps, a server's
 #: batch: :mod:`quant_simd`); more: tiles of rows decoded to float32 and BLAS. Measured on Gemma 3 270M's
-#: matrices (AMD EPYC, 2 threads): the block products took 0.39x the tiles' time at 8 tokens, 0.81x at 32, 1.18x at 64.
+#: matrices (Intel Xeon, 2 threads, with the plain numba loops that quant_simd replaced, themselves slower): the
+#: block products took 0.39x the tiles' time at 8 tokens, 0.81x at 32, 1.18x at 64.
 DIRECT_TOKENS = 32
 
 

@@ -162,3 +162,23 @@ def test_gguf_family_errors(torch, tmp_path, bpe):
     (other).write_bytes(raw.replace(b"llama-bpe", b"tekkenxyz", 1))
     with pytest.raises(ModelError, match="tokenizer.ggml.pre 'tekkenxyz' is not supported"):
         load_causal_lm(other)
+
+
+def test_gguf_quantized_weights_are_views_of_the_mapped_file(torch, tmp_path, bpe):
+    """Kept blocks are read where the file has them (no copy: resident memory is the page cache's), and
+    the mapping outlives the loader's closing of the file for as long as the model holds a matrix."""
+    import gc
+    import mmap
+
+    path = tmp_path / "llama-Q8_0.gguf"
+    gguf_writer.write(_model("llama", torch, len(bpe[0])), path, arch="llama", outtype="Q8_0", vocab=bpe)
+    lm = load_causal_lm(path)
+    gc.collect()
+    w = lm.layers[0].w_down  # (the gate and up projections are joined into one copy, as are query, key and value)
+    assert w.qtype == "Q8_0" and not w.raw.flags.owndata and not w.raw.flags.writeable
+    base = w.raw
+    while isinstance(base, (np.ndarray, memoryview)):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    assert isinstance(base, mmap.mmap) and not base.closed
+    ids = np.arange(7)[None]
+    np.testing.assert_allclose(lm(ids), load_causal_lm(path, keep_quantized=False)(ids), atol=1e-4, rtol=0)

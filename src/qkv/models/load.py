@@ -56,15 +56,18 @@ def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:
     g = GGUFFile(path)
     arch = g.architecture
     family = families.find("causal", architecture=arch, source=str(path))
-    cfg, w = families.load_module(family).from_gguf(g, keep_quantized=keep_quantized)
+    # The tokenizer after the config is checked, before the weights: its parser's peak (some 300 MB
+    # for Gemma's vocabulary, given back when it is done) then does not come on top of the weights' pages.
+    tokenizers = []
+    cfg, w = families.load_module(family).from_gguf(g, keep_quantized=keep_quantized, then=lambda cfg: tokenizers.append(tk.from_gguf(g, source=str(path))))
+    tokenizer = tokenizers[0]
     # A file with tensors the model did not read (more blocks than block_count, say) is not this model.
     extra = sorted(set(g.tensors) - g.used)
     if extra:
         raise ModelError(f"{path}: tensor {extra[0]!r} is not part of a {cfg.num_layers}-layer {arch} model ({len(extra)} unexpected tensors)")
-    tokenizer = tk.from_gguf(g, source=str(path))
     template = g.field("tokenizer.chat_template")
     name = str(g.field("general.name", path.stem))
-    g.close()  # everything is copied out: the file's mapping need not stay resident
+    g.close()  # unmapped once the quantized matrices (views of it) are gone
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embeddings {cfg.vocab_size}")
     chat, tuned = _chat_template(template, f"{path}: tokenizer.chat_template", tokenizer, cfg.family)

@@ -8,7 +8,9 @@ Adding a family is one module here and one row in this table.
 A family module gives, for its rows::
 
     from_hf(config: dict, source: str, get: FieldReader, t: TensorReader) -> (config, weights)
-    from_gguf(g: GGUFFile, *, keep_quantized: bool) -> (config, weights)      # GGUF families only
+    from_gguf(g: GGUFFile, *, keep_quantized: bool, then=None) -> (config, weights)   # GGUF families only
+
+(``then(config)``, where given, runs between reading the config and the weights.)
 
 ``config`` is a :class:`~qkv.models.engines.decoder.DecoderConfig` or a
 :class:`~qkv.models.engines.seq2seq.Seq2SeqConfig`, ``weights`` a
@@ -106,8 +108,10 @@ def hf_loader(config_from_hf, weights_from_hf):
 def gguf_loader(config_from_gguf, weights_from_gguf):
     """A family's ``from_gguf`` for the usual pair: the config from the file's metadata, then its tensors."""
 
-    def from_gguf(g, *, keep_quantized: bool = True):
+    def from_gguf(g, *, keep_quantized: bool = True, then=None):
         cfg = config_from_gguf(g)
+        if then is not None:
+            then(cfg)
         return cfg, weights_from_gguf(g, cfg, keep_quantized=keep_quantized)
 
     return from_gguf

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 import os
 import struct
 from pathlib import Path
@@ -184,13 +185,22 @@ class GGUFFile:
             if off < end:
                 raise ModelError(f"{source}: tensors {first!r} and {second!r} overlap in the file")
         self.used: set = set()  #: the tensors read so far: a loader refuses a file with tensors it did not read
+        self._views: list = []  # (weak reference, offset, bytes) of each quantized matrix handed out
 
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
     def close(self) -> None:
-        """Unmap the file (tensors already read are copies and stay valid)."""
+        """Unmap the file. Float32 tensors already read are copies; quantized matrices are views of the
+        mapping, which then stays until the last of them is gone (a file truncated or rewritten in place
+        while a model is loaded is as fatal to qkv as to llama.cpp; a new file renamed over it is not).
+        The pages of matrices no longer held (those a loader joined into one copy: a layer's query, key
+        and value, say) are let go first."""
+        for ref, offset, nbytes in self._views:
+            if ref() is None:
+                self._drop(offset, nbytes)
+        self._views = []
         if hasattr(self._map, "close"):
             try:
                 self._map.close()
@@ -299,10 +309,12 @@ class GGUFFile:
             raise ModelError(f"{self.path}: tensor {name!r} is {qt.name}, which qkv does not keep quantized (supported: F32, {', '.join(SUPPORTED)}); keep_quantized=False dequantizes it to float32 with the gguf package")
         if offset + nbytes > len(self._map):
             raise ModelError(f"{self.path}: truncated file: tensor {name!r} ends past the end of the file")
+        # A read-only view of the mapped file, not a copy: the products read the blocks where the file
+        # has them (the page cache's, shared, dropped by the kernel under pressure), as llama.cpp's
+        # default mapping does. The mapping lives as long as a matrix does (see close()).
         raw = np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
-        # A copy, never a view: the file is closed once the model is read.
-        m = QuantizedMatrix(np.array(raw, copy=True).reshape(got[0], -1), qt.name, got, name=f"{self.path.name}: {name}")
-        self._drop(offset, nbytes)
+        m = QuantizedMatrix(raw.reshape(got[0], -1), qt.name, got, name=f"{self.path.name}: {name}")
+        self._views.append((weakref.ref(m), offset, nbytes))
         return m
 
     def _drop(self, offset: int, nbytes: int) -> None:

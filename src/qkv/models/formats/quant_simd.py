@@ -52,7 +52,7 @@ LANES = 16
 GROUP = 4
 
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-_V32F, _V32I32 = ir.VectorType(_F32, 32), ir.VectorType(_I32, 32)
+_V32F = ir.VectorType(_F32, 32)
 _VACC = ir.VectorType(_F32, LANES)
 
 
@@ -72,9 +72,12 @@ def _splat(b, s, n=32):
     return b.shuffle_vector(v, ir.Constant(ir.VectorType(s.type, n), ir.Undefined), _vec([0] * n))
 
 
-def _bytes(b, base, at, n):  # n bytes at base + at -> <n x i32> (zero-extended)
-    p = b.bitcast(b.gep(base, [at]), ir.VectorType(_I8, n).as_pointer())
-    return b.zext(b.load(p, align=1), ir.VectorType(_I32, n))
+def _bytes(b, base, at, n):  # n bytes at base + at -> <n x i8>
+    return b.load(b.bitcast(b.gep(base, [at]), ir.VectorType(_I8, n).as_pointer()), align=1)
+
+
+def _b8(v, n=32):  # a byte constant in every lane
+    return ir.Constant(ir.VectorType(_I8, n), v)
 
 
 def _byte(b, base, at):  # one byte -> i32
@@ -100,7 +103,7 @@ def _hsum(b, v):  # the lanes added in halves (a fixed tree)
     return b.extract_element(v, _c(0, _I32))
 
 
-def _to_f32(b, q):  # <32 x i32> -> <32 x float>
+def _to_f32(b, q):  # <32 x i8> or <32 x i32> (signed) -> <32 x float>, exact
     return b.sitofp(q, _V32F)
 
 
@@ -111,22 +114,23 @@ def _to_f32(b, q):  # <32 x i32> -> <32 x float>
 
 
 def _runs_q8_0(b, row, blk, at, d, dmin):  # 34 bytes: f16 d, 32 int8
-    q = b.sext(b.load(b.bitcast(b.gep(row, [b.add(at, _c(2))]), ir.VectorType(_I8, 32).as_pointer()), align=1), _V32I32)
+    q = _bytes(b, row, b.add(at, _c(2)), 32)
     return [(b.mul(blk, _c(32)), b.fmul(_to_f32(b, q), _splat(b, d)))]  # float(q) * d
 
 
 def _runs_q4_0(b, row, blk, at, d, dmin):  # 18 bytes: f16 d, 16 bytes of two nibbles (values j and j + 16)
     v = _bytes(b, row, b.add(at, _c(2)), 16)
-    q = b.sub(_join(b, b.and_(v, _splat(b, _c(15, _I32), 16)), b.lshr(v, _splat(b, _c(4, _I32), 16))), _splat(b, _c(8, _I32)))
+    q = b.sub(_join(b, b.and_(v, _b8(15, 16)), b.lshr(v, _b8(4, 16))), _b8(8))  # in [-8, 7]
     return [(b.mul(blk, _c(32)), b.fmul(_splat(b, d), _to_f32(b, q)))]
 
 
 def _runs_q5_0(b, row, blk, at, d, dmin):  # 22 bytes: f16 d, 32 fifth bits, 16 bytes of nibbles
-    qh = b.load(b.bitcast(b.gep(row, [b.add(at, _c(2))]), _I32.as_pointer()), align=1)
+    qh = _bytes(b, row, b.add(at, _c(2)), 4)  # value k's fifth bit: bit k % 8 of byte k // 8
     v = _bytes(b, row, b.add(at, _c(6)), 16)
-    nib = _join(b, b.and_(v, _splat(b, _c(15, _I32), 16)), b.lshr(v, _splat(b, _c(4, _I32), 16)))
-    high = b.shl(b.and_(b.lshr(_splat(b, qh), _vec(range(32))), _splat(b, _c(1, _I32))), _splat(b, _c(4, _I32)))  # value k's bit k
-    q = b.sub(b.or_(nib, high), _splat(b, _c(16, _I32)))
+    nib = _join(b, b.and_(v, _b8(15, 16)), b.lshr(v, _b8(4, 16)))
+    bits = b.and_(b.shuffle_vector(qh, qh, _vec([k // 8 for k in range(32)])), _vec([1 << (k % 8) for k in range(32)], _I8))
+    high = b.select(b.icmp_unsigned("!=", bits, _b8(0)), _b8(16), _b8(0))
+    q = b.sub(b.or_(nib, high), _b8(16))  # in [-16, 15]
     return [(b.mul(blk, _c(32)), b.fmul(_splat(b, d), _to_f32(b, q)))]
 
 
@@ -150,11 +154,11 @@ def _runs_k(b, row, blk, at, d, dmin, qs, high):  # Q4_K (high None) / Q5_K: 8 r
     hb = None if high is None else _bytes(b, row, b.add(at, _c(high)), 32)
     for g in range(4):  # sub-blocks 2g (low nibbles of 32 bytes) and 2g + 1 (high nibbles)
         v = _bytes(b, row, b.add(at, _c(qs + 32 * g)), 32)
-        lo, hi = b.and_(v, _splat(b, _c(15, _I32))), b.lshr(v, _splat(b, _c(4, _I32)))
+        lo, hi = b.and_(v, _b8(15)), b.lshr(v, _b8(4))
         if hb is not None:  # Q5_K: bit 2g and 2g + 1 of each high byte
-            h = b.lshr(hb, _splat(b, _c(2 * g, _I32)))
-            lo = b.or_(lo, b.shl(b.and_(h, _splat(b, _c(1, _I32))), _splat(b, _c(4, _I32))))
-            hi = b.or_(hi, b.shl(b.and_(h, _splat(b, _c(2, _I32))), _splat(b, _c(3, _I32))))
+            h = b.lshr(hb, _b8(2 * g))
+            lo = b.or_(lo, b.shl(b.and_(h, _b8(1)), _b8(4)))
+            hi = b.or_(hi, b.shl(b.and_(h, _b8(2)), _b8(3)))  # (in [0, 31]: positive as i8)
         first = b.add(b.mul(blk, _c(256)), _c(64 * g))
         for k, q in enumerate((lo, hi)):
             ds, ms = _k_factors(b, row, at, 2 * g + k, d, dmin)
@@ -178,11 +182,10 @@ def _runs_q6_k(b, row, blk, at, d, dmin):  # 210 bytes: 128 low nibbles, 64 of 2
         l0 = _bytes(b, row, b.add(at, _c(lo_at)), 32)
         l1 = _bytes(b, row, b.add(at, _c(lo_at + 32)), 32)
         h = _bytes(b, row, b.add(at, _c(hi_at)), 32)
-        m15, m3 = _splat(b, _c(15, _I32)), _splat(b, _c(3, _I32))
-        parts = (b.and_(l0, m15), b.and_(l1, m15), b.lshr(l0, _splat(b, _c(4, _I32))), b.lshr(l1, _splat(b, _c(4, _I32))))
+        parts = (b.and_(l0, _b8(15)), b.and_(l1, _b8(15)), b.lshr(l0, _b8(4)), b.lshr(l1, _b8(4)))
         for i, low in enumerate(parts):  # values j + 32 i: scale so + 2 i for j < 16, so + 2 i + 1 after
-            top = b.shl(b.and_(b.lshr(h, _splat(b, _c(2 * i, _I32))), m3), _splat(b, _c(4, _I32)))
-            q = b.sub(b.or_(low, top), _splat(b, _c(32, _I32)))
+            top = b.shl(b.and_(b.lshr(h, _b8(2 * i)), _b8(3)), _b8(4))
+            q = b.sub(b.or_(low, top), _b8(32))  # in [-32, 31]
 
             def scale(p):  # d * the int8 scale of sub-block part p (exact)
                 s = b.sext(b.load(b.gep(row, [b.add(at, _c(so + 2 * i + p))])), _I32)

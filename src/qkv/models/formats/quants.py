@@ -159,7 +159,8 @@ class QuantizedMatrix:
     Parameters
     ----------
     raw : ndarray of uint8, shape (out, row bytes)
-        The blocks, row after row, as the file stores them (copied: the file may be closed).
+        The blocks, row after row, as the file stores them: kept as given when C-contiguous (a view of
+        a mapped file stays one), else copied. Never written.
     qtype : str
         One of :data:`SUPPORTED`.
     shape : (int, int)

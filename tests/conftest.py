@@ -17,6 +17,22 @@ settings.load_profile("ci" if os.environ.get("CI") else "qkv")
 TOL = {np.float64: dict(rtol=1e-10, atol=1e-10), np.float32: dict(rtol=1e-5, atol=1e-6)}
 
 
+@pytest.fixture(autouse=True)
+def _a_quiet_machine_for_the_default_thread_count(monkeypatch):
+    """The default thread count follows the machine's load (qkv.threads): the tests' own subprocesses
+    (CLI runs, servers) count as other programs, so it moves as they come and go. Tests that compare
+    BLAS's threads before and after would read that motion; here the default sees a quiet machine,
+    and BLAS starts each test at it. tests/test_threads.py takes the patch off where the load is the point."""
+    from qkv import threads
+
+    monkeypatch.setattr(threads._load, "busy_cores", lambda: 0.0)
+    if threads._chosen is None:
+        try:
+            threads._apply_blas()
+        except ValueError:  # a bad QKV_NUM_THREADS in the environment: the tests of it say so
+            pass
+
+
 @pytest.fixture(scope="session")
 def torch():
     import torch as _torch

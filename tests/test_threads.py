@@ -42,7 +42,7 @@ def test_the_environment_variable_is_the_default(monkeypatch):
     with qkv.set_num_threads(1):  # a call wins over the environment
         assert qkv.get_num_threads() == 1
     monkeypatch.delenv(threads.ENV)
-    assert qkv.get_num_threads() == threads.available_cores()
+    assert qkv.get_num_threads() == threads.default_threads()
     qkv.set_num_threads(None)  # BLAS back to its own default too
 
 
@@ -162,3 +162,127 @@ def test_a_count_set_while_the_pool_pins_blas_holds_after():
     finally:
         qkv.set_num_threads(None)
     assert blas_threads() == original
+
+
+def _settle(read, target, seconds=6.0):
+    """read() until it gives target or the time is up (the default is measured over half-second windows); the last value."""
+    import time
+
+    end = time.monotonic() + seconds
+    value = read()
+    while value != target and time.monotonic() < end:
+        time.sleep(0.1)
+        value = read()
+    return value
+
+
+def test_the_default_leaves_out_a_core_another_program_keeps_busy(monkeypatch):
+    monkeypatch.delattr(threads._load, "busy_cores")  # the machine's own load (conftest makes it quiet elsewhere)
+    monkeypatch.delenv(threads.ENV, raising=False)
+    qkv.set_num_threads(None)
+    cores = threads.available_cores()
+    assert _settle(qkv.get_num_threads, cores) == cores  # a quiet machine: every core
+    cpu = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        busy = _settle(qkv.get_num_threads, max(1, cores - 1))
+        assert threads.busy_cores() > 0.5 or cores == 1
+        blas_busy = blas_threads()  # BLAS follows the default too (its own default is every core)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy == max(1, cores - 1)
+    assert blas_busy == {max(1, cores - 1)}
+    assert _settle(qkv.get_num_threads, cores) == cores  # the program gone: every core again
+    assert blas_threads() == {cores}
+    with qkv.set_num_threads(cores):  # a chosen count is used as given, busy or not
+        assert qkv.get_num_threads() == cores
+
+
+class _FakeClock:
+    def __init__(self):
+        self.wall, self.cpu = 1000.0, 5.0
+
+    def monotonic(self):
+        return self.wall
+
+    def process_time(self):
+        return self.cpu
+
+
+def _stat_lines(ticks: dict) -> str:
+    """/proc/stat's CPU lines: user nice system idle iowait irq softirq steal guest guest_nice, in ticks."""
+    total = [sum(col) for col in zip(*ticks.values())]
+    rows = ["cpu  " + " ".join(map(str, total))] + [f"cpu{n} " + " ".join(map(str, t)) for n, t in ticks.items()]
+    return "\n".join(rows + ["intr 1 2 3", "ctxt 99"]) + "\n"
+
+
+def test_busy_cores_are_the_cpus_busy_time_less_this_processs_own(monkeypatch, tmp_path):
+    stat = tmp_path / "stat"
+    clock = _FakeClock()
+    monkeypatch.setattr(threads, "_STAT", str(stat))
+    monkeypatch.setattr(threads, "time", clock)
+    monkeypatch.setattr(threads, "_affinity", lambda: {0, 1})
+    monkeypatch.setattr(threads, "_cpu_quota", lambda: None)
+    hz = threads._TICKS
+    ticks = {0: [10 * hz, 0, hz, 500 * hz, 0, 0, 0, 0, 0, 0], 1: [20 * hz, 0, hz, 400 * hz, 0, 0, 0, 0, 0, 0], 2: [0] * 10}
+    stat.write_text(_stat_lines(ticks))
+    load = threads._Load()
+
+    # 2 s later: the two CPUs were busy 3 s in all (user, nice, system, irq, softirq), this process used 1 s of it;
+    # idle, I/O wait, steal and a CPU outside the affinity mask count for nothing.
+    clock.wall += 2.0
+    clock.cpu += 1.0
+    ticks[0][0] += 1 * hz
+    ticks[0][1] += hz // 2
+    ticks[1][2] += hz // 2
+    ticks[1][5] += hz // 2
+    ticks[1][6] += hz // 2
+    ticks[0][3] += 100 * hz
+    ticks[1][4] += 100 * hz
+    ticks[1][7] += 100 * hz
+    ticks[2][0] += 100 * hz
+    stat.write_text(_stat_lines(ticks))
+    assert load.busy_cores() == pytest.approx(1.0)
+    assert load.free_cores() == 1
+
+    # Within the window the last measure stands, whatever the file says.
+    clock.wall += threads.PERIOD / 2
+    ticks[1][0] += 100 * hz
+    stat.write_text(_stat_lines(ticks))
+    assert load.busy_cores() == pytest.approx(1.0)
+
+    # A quiet window: every core again (this process's own busy time is not another program's).
+    clock.wall += 10.0
+    clock.cpu += 10.0 + 100.0
+    ticks[1][0] += 10 * hz
+    stat.write_text(_stat_lines(ticks))
+    assert load.busy_cores() == 0.0 and load.free_cores() == 2
+
+    # /proc/stat gone: nothing known, nothing taken off.
+    stat.unlink()
+    clock.wall += 10.0
+    assert load.busy_cores() == 0.0 and load.free_cores() == 2
+
+
+@pytest.mark.parametrize("v2, v1, expected", [
+    ("150000 100000\n", None, 2),  # a container started with --cpus 1.5 gets 2 threads
+    ("100000 100000\n", None, 1),
+    ("max 100000\n", None, None),
+    ("garbage", None, None),
+    (None, ("-1", "100000"), None),  # cgroup v1, no quota
+    (None, ("300000", "100000"), 3),
+    (None, None, None),
+])
+def test_a_cgroup_cpu_quota_caps_the_cores(monkeypatch, tmp_path, v2, v1, expected):
+    v2_path, v1_paths = tmp_path / "cpu.max", (tmp_path / "quota", tmp_path / "period")
+    if v2 is not None:
+        v2_path.write_text(v2)
+    if v1 is not None:
+        for path, text in zip(v1_paths, v1):
+            path.write_text(text + "\n")
+    monkeypatch.setattr(threads, "_CGROUP_V2", str(v2_path))
+    monkeypatch.setattr(threads, "_CGROUP_V1", tuple(map(str, v1_paths)))
+    assert threads._cpu_quota() == expected
+    monkeypatch.setattr(threads, "_affinity", lambda: set(range(16)))
+    assert threads.available_cores() == (16 if expected is None else expected)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence
@@ -38,10 +39,15 @@ def _have_threadpoolctl() -> bool:
 
 
 _controlled: set = set()  # modules whose BLAS the controller was (re)made to see
+#: Modules whose BLAS the controller must see once they are loaded. numba loads SciPy's linear algebra
+#: (and with it SciPy's own OpenBLAS, which its ``np.dot`` calls) the first time it compiles or reads any
+#: function from its cache, whatever the function does: a controller made before that did not see it,
+#: and a decode step ran beside SciPy's BLAS at every core while NumPy's was pinned to one thread.
+_watched: set = {"scipy.linalg.cython_blas"}
 
 
 def control_blas_of(module: str) -> None:
-    """Make the BLAS that ``module`` loads one that :func:`run_all` pins too.
+    """Make the BLAS that ``module`` loads one that :func:`run_all` pins too (the module is imported here).
 
     threadpoolctl sees the libraries loaded when its controller is made. numba's
     ``np.dot`` calls SciPy's own OpenBLAS (``scipy.linalg.cython_blas``), another
@@ -53,15 +59,9 @@ def control_blas_of(module: str) -> None:
     import importlib
 
     importlib.import_module(module)
-    global _controller
     with _lock:
-        _controlled.add(module)
-        _controller = None  # made again, seeing the library just loaded, on the next run_all
-        if _restore is not None:  # inside a pinned run_all already: pin the new library as well
-            _controller = __import__("threadpoolctl").ThreadpoolController()
-            _controller.limit(limits=1, user_api="blas")
-    if _restore is None and _blas_target is not None:
-        set_blas_threads(_blas_target)  # the policy's count, in the library just loaded too
+        _watched.add(module)
+        _have_threadpoolctl_locked()
 
 
 def _take_blas_control() -> None:
@@ -122,13 +122,25 @@ def _limit_blas_locked() -> None:
 
 
 def _have_threadpoolctl_locked() -> bool:
-    global _controller
+    """Whether threadpoolctl is there; (re)makes the controller when none is made yet or a watched module
+    has loaded since, and gives a newly seen BLAS the count the others have (under ``_lock``)."""
+    global _controller, _blas_pending
     try:
         import threadpoolctl
     except ImportError:
         return False
-    if _controller is None:
+    new = [m for m in _watched if m not in _controlled and m in sys.modules]
+    if _controller is None or new:
+        _controlled.update(new)
         _controller = threadpoolctl.ThreadpoolController()
+        if new and _controller.select(user_api="blas"):
+            _take_blas_control()
+            if _restore is not None:  # inside a pinned section: the new library at one thread too,
+                _controller.limit(limits=1, user_api="blas")
+                _blas_pending = _blas_target is not None  # and at the policy's count when the pin leaves
+            elif _blas_target is not None:
+                _limit_blas_locked()
+            _release_blas_control()
     return True
 
 

@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     trn.set_defaults(func=cmd_train)
     add_serve_parser(sub)
     for command in sub.choices.values():  # one threading policy, on every command
-        command.add_argument("--threads", type=_thread_count, metavar="N", help=f"compute on N threads (default: ${ENV}, else every core this process may use)")
+        command.add_argument("--threads", type=_thread_count, metavar="N", help=f"compute on N threads (default: ${ENV}, else the cores this process may use that no other program keeps busy, measured as it runs)")
     return parser
 
 

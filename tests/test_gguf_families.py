@@ -182,3 +182,34 @@ def test_gguf_quantized_weights_are_views_of_the_mapped_file(torch, tmp_path, bp
     assert isinstance(base, mmap.mmap) and not base.closed
     ids = np.arange(7)[None]
     np.testing.assert_allclose(lm(ids), load_causal_lm(path, keep_quantized=False)(ids), atol=1e-4, rtol=0)
+
+
+def test_a_tokenizer_read_from_the_cache_needs_no_token_string_decoded(torch, tmp_path, bpe, monkeypatch):
+    """The cache is keyed on the vocabulary's bytes in the file: a second load decodes none of its
+    strings (0.4 s for Gemma's 262,144) and encodes as the first; a file that differs by one token is
+    another key, never the cached tokenizer of the first."""
+    from qkv.models.formats import gguf as gguf_format
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_format, "_LAZY_STRINGS", 16)  # this small vocabulary held as a long one is
+    tokens, merges, types = bpe
+    path = tmp_path / "m.gguf"
+    gguf_writer.write(_model("llama", torch, len(tokens)), path, arch="llama", vocab=bpe)
+    first = load_causal_lm(path)  # built from the strings, then kept
+    decoded = []
+    real = gguf_format._Strings.decode
+    monkeypatch.setattr(gguf_format._Strings, "decode", lambda self: decoded.append(self.key) or real(self))
+    again = load_causal_lm(path)
+    assert decoded == []
+    for text in TEXTS:
+        assert again.tokenizer.encode(text) == first.tokenizer.encode(text), text
+    assert again.tokenizer.eos_ids == first.tokenizer.eos_ids and again.tokenizer.bos_id == first.tokenizer.bos_id
+
+    a, b = tokens.index("a"), tokens.index("b")
+    swapped = list(tokens)
+    swapped[a], swapped[b] = "b", "a"
+    other = tmp_path / "swapped.gguf"
+    gguf_writer.write(_model("llama", torch, len(tokens)), other, arch="llama", vocab=(swapped, merges, types))
+    lm = load_causal_lm(other)
+    assert "tokenizer.ggml.tokens" in decoded  # not found in the cache: read and built
+    assert first.tokenizer.encode("a", add_bos=False) == [a] and lm.tokenizer.encode("a", add_bos=False) == [b]

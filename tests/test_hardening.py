@@ -620,3 +620,31 @@ def test_without_the_compiled_kernels_products_fall_back_and_say_so_once(monkeyp
     assert len(said) == 1 and "pip install 'qkv[fast]'" in said[0]
     np.testing.assert_allclose(a, x @ m.dequantize(kernel="numpy").T, rtol=1e-6)
     assert np.array_equal(a, b)
+
+
+def test_a_long_string_array_is_checked_at_open_and_decoded_when_asked(tmp_path):
+    """A vocabulary (more than 4,096 strings) is stepped over at open, every length checked against the
+    file, and decoded when first asked for; asked for after the file is closed, it is a clear error."""
+    from qkv.models.formats.gguf import GGUFFile
+
+    words = [f"w{i}" for i in range(5000)] + ["caf\u00e9", ""]
+    path = raw_gguf(tmp_path / "v.gguf", [*LLAMA_KEYS, ("tokenizer.ggml.tokens", 9, (8, words))])
+    g = GGUFFile(path)
+    assert g.length("tokenizer.ggml.tokens") == len(words)
+    assert g.field("tokenizer.ggml.tokens") == words
+    with pytest.raises(ModelError, match="metadata 'general.architecture' should be an array, got 'llama'"):
+        g.length("general.architecture")
+    assert g.length("tokenizer.ggml.merges") is None
+    g.close()
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: data.index(b"w4000")])  # the file ends inside the array
+    with pytest.raises(ModelError, match="cut.gguf: truncated GGUF header in tokenizer.ggml.tokens"):
+        GGUFFile(tmp_path / "cut.gguf")
+    at = data.index(b"w2500") - 8  # one string claims more bytes than the file has
+    (tmp_path / "long.gguf").write_bytes(data[:at] + (2**40).to_bytes(8, "little") + data[at + 8 :])
+    with pytest.raises(ModelError, match="long.gguf: truncated GGUF header in tokenizer.ggml.tokens"):
+        GGUFFile(tmp_path / "long.gguf")
+    g = GGUFFile(path)
+    g.close()
+    with pytest.raises(ModelError, match="v.gguf: metadata 'tokenizer.ggml.tokens' was not read before the file was closed"):
+        g.field("tokenizer.ggml.tokens")

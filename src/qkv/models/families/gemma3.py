@@ -43,7 +43,7 @@ def config_from_gguf(g) -> DecoderConfig:
     windows = _pattern(m.num_layers, m.window)
     return DecoderConfig(
         family="gemma3",
-        vocab_size=len(g.field("tokenizer.ggml.tokens", required=True)),
+        vocab_size=g.length("tokenizer.ggml.tokens", required=True),
         **m.decoder_fields(),
         activation="gelu_pytorch_tanh",
         rope_bases=tuple(LOCAL_ROPE_BASE if w else m.rope_base for w in windows),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import ModelError
 
 __all__ = ["TextTokenizer", "from_gguf", "from_file"]
@@ -129,8 +131,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qkv"
 
 
-def cached_tokenizer(description, build):
-    """The tokenizer ``build()`` makes for a vocabulary ``description``, kept on disk under its hash.
+def _cache_path(key: str) -> Path:
+    return cache_dir() / "tokenizers" / f"{key}.json"
+
+
+def _read_cached(key: str):
+    """The tokenizer kept under ``key``, or None (missing, partial or foreign: rebuilt by the caller)."""
+    try:
+        return _tokenizers().Tokenizer.from_file(str(_cache_path(key)))
+    except Exception:
+        return None
+
+
+def cached_tokenizer(description, build, *, key: str | None = None):
+    """The tokenizer ``build()`` makes for a vocabulary ``description``, kept on disk under its hash
+    (or under ``key``, a hash of what the description was read from, when the caller has one).
 
     Rebuilding Gemma's 262,144-token vocabulary (its merges recovered from the
     vocabulary, in Python) takes about 2.5 s; reading it back as tokenizer JSON
@@ -143,13 +158,10 @@ def cached_tokenizer(description, build):
 
     from ..._files import write_atomic
 
-    tk = _tokenizers()
-    key = hashlib.sha256(json.dumps([_CACHE_FORMAT, description], ensure_ascii=False).encode("utf-8")).hexdigest()
-    path = cache_dir() / "tokenizers" / f"{key}.json"
-    try:
-        tok = tk.Tokenizer.from_file(str(path))
-    except Exception:  # missing, partial or foreign: rebuild it
-        tok = None
+    if key is None:
+        key = hashlib.sha256(json.dumps([_CACHE_FORMAT, description], ensure_ascii=False).encode("utf-8")).hexdigest()
+    path = _cache_path(key)
+    tok = _read_cached(key)
     if tok is None:
         tok = build()
         try:
@@ -185,19 +197,98 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
     merges follow the file's order, the others' the scores) and ``"gpt2"``
     (byte-level BPE given by tokens and merges, the words split as
     ``tokenizer.ggml.pre`` names: see :data:`BPE_SPLITS`).
+
+    Built once and kept in qkv's cache (:func:`cached_tokenizer`). From a
+    :class:`~qkv.models.formats.gguf.GGUFFile`, the cache is keyed on the
+    vocabulary's bytes as the file stores them, so that a tokenizer read from
+    the cache needs none of the strings decoded (0.4 s for Gemma's 262,144).
     """
-    tk = _tokenizers()
+    _tokenizers()  # the extra's message, before any work
     model = gguf.field("tokenizer.ggml.model", required=True)
     if model not in ("llama", "gpt2"):
         raise ModelError(f"{source}: tokenizer.ggml.model {model!r} is not supported (qkv reads SentencePiece 'llama' and byte-level BPE 'gpt2' vocabularies)")
-    tokens = list(gguf.field("tokenizer.ggml.tokens", required=True))
-    if not tokens:
+    length = getattr(gguf, "length", None)
+    n = length("tokenizer.ggml.tokens", required=True) if length else len(gguf.field("tokenizer.ggml.tokens", required=True))
+    if not n:
         raise ModelError(f"{source}: tokenizer.ggml.tokens is empty: the file has no vocabulary to encode text with")
     types = gguf.field("tokenizer.ggml.token_type")
-    if types is None or len(types) != len(tokens):
-        raise ModelError(f"{source}: tokenizer.ggml.token_type should list one type per token ({len(tokens)})")
-    types = [int(k) for k in types]
+    if types is None or len(types) != n:
+        raise ModelError(f"{source}: tokenizer.ggml.token_type should list one type per token ({n})")
+    types = types.astype(np.int64).tolist() if isinstance(types, np.ndarray) else [int(k) for k in types]
     gemma = gguf.architecture.startswith("gemma")
+    unk = gguf.field("tokenizer.ggml.unknown_token_id")
+    if unk is not None and not 0 <= int(unk) < n:
+        raise ModelError(f"{source}: tokenizer.ggml.unknown_token_id {int(unk)} is outside the vocabulary of {n}")
+    scores = pre = None
+    if model == "llama" and not gemma:
+        scores = gguf.field("tokenizer.ggml.scores")
+        if scores is None or len(scores) != n:
+            raise ModelError(f"{source}: tokenizer.ggml.scores should list one score per token ({n})")
+    if model == "gpt2":
+        if (length("tokenizer.ggml.merges") if length else gguf.field("tokenizer.ggml.merges")) is None:  # (not decoded here)
+            raise ModelError(f"{source}: a 'gpt2' vocabulary needs tokenizer.ggml.merges")
+        pre = str(gguf.field("tokenizer.ggml.pre", "default"))
+        if pre not in BPE_SPLITS:
+            raise ModelError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; qkv splits words as {', '.join(map(repr, BPE_SPLITS))}")
+
+    def ident(key):
+        v = gguf.field(key)
+        if v is None:
+            return None
+        if isinstance(v, (str, list)) or not 0 <= int(v) < n:
+            raise ModelError(f"{source}: {key} should be a token id below {n}, got {v!r}")
+        return int(v)
+
+    key = _raw_key(gguf, model, gemma, pre, unk)
+    tok = None if key is None else _read_cached(key)
+    if tok is None:  # not cached (or no file bytes to key on): read the strings, check them, build
+        tok = _build(gguf, source, model, gemma, types, unk, scores, pre, key)
+    else:
+        _return_freed_heap()
+    bos, eos = ident("tokenizer.ggml.bos_token_id"), ident("tokenizer.ggml.eos_token_id")
+    ends = [ident(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    for t in _END_OF_TURN:  # a chat turn's end stops generation too
+        i = tok.token_to_id(t)
+        if i is not None and i < n and types[i] == _CONTROL:
+            ends.append(i)
+    return TextTokenizer(
+        tok,
+        bos_id=bos,
+        eos_id=eos,
+        pad_id=ident("tokenizer.ggml.padding_token_id"),
+        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", model == "llama")),
+        eos_ids=[e for e in dict.fromkeys(ends) if e is not None],
+    )
+
+
+_RAW_FORMAT = b"qkv-gguf-tokenizer-raw-1"
+
+
+def _raw_key(gguf, model: str, gemma: bool, pre, unk) -> str | None:
+    """The cache key of a vocabulary from the file's own bytes of its fields (None where the object
+    has no such bytes): the same bytes give the same tokenizer, so a hit needs nothing decoded."""
+    raw = getattr(gguf, "raw_field", None)
+    if raw is None:
+        return None
+    import hashlib
+    import struct
+
+    h = hashlib.sha256(_RAW_FORMAT)
+    fields = ["tokenizer.ggml.tokens", "tokenizer.ggml.token_type"]
+    fields += ["tokenizer.ggml.scores"] if model == "llama" and not gemma else []
+    fields += ["tokenizer.ggml.merges"] if model == "gpt2" else []
+    parts = [model.encode(), b"gemma" if gemma else b"", str(pre).encode(), repr(None if unk is None else int(unk)).encode()]
+    parts += [raw(k) or b"" for k in fields]
+    for part in parts:  # each with its length, so that no two lists of parts hash alike
+        h.update(struct.pack("<Q", len(part)) + part)
+    return h.hexdigest()
+
+
+def _build(gguf, source: str, model: str, gemma: bool, types: list, unk, scores, pre, key):
+    """The tokenizer from the decoded vocabulary, checked (a vocabulary that cannot encode is refused
+    here, before anything is cached), through :func:`cached_tokenizer`."""
+    tk = _tokenizers()
+    tokens = list(gguf.field("tokenizer.ggml.tokens", required=True))
     if model == "llama" and gemma:
         # Gemma stores a token of two or more spaces as real spaces, while the text reaches BPE with
         # every space turned into U+2581: spell those tokens that way so they can match.
@@ -205,17 +296,6 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    unk = gguf.field("tokenizer.ggml.unknown_token_id")
-    if unk is not None and not 0 <= int(unk) < len(tokens):
-        raise ModelError(f"{source}: tokenizer.ggml.unknown_token_id {int(unk)} is outside the vocabulary of {len(tokens)}")
-
-    def ident(key):
-        v = gguf.field(key)
-        if v is None:
-            return None
-        if isinstance(v, (str, list)) or not 0 <= int(v) < len(tokens):
-            raise ModelError(f"{source}: {key} should be a token id below {len(tokens)}, got {v!r}")
-        return int(v)
 
     def specials(tok):
         # Control tokens (<bos>, <|im_start|>, ...) match whole and are special; user-defined ones
@@ -228,10 +308,7 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
         if gemma:
             scores, order = [-i for i in range(len(tokens))], "spm-file-order"
         else:
-            scores, order = gguf.field("tokenizer.ggml.scores"), "spm-scores"
-            if scores is None or len(scores) != len(tokens):
-                raise ModelError(f"{source}: tokenizer.ggml.scores should list one score per token ({len(tokens)})")
-            scores = [float(x) for x in scores]
+            scores, order = [float(x) for x in scores], "spm-scores"
 
         def build():
             bpe = tk.models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores), unk_token=None if unk is None else tokens[int(unk)], fuse_unk=True, byte_fallback=True)
@@ -246,11 +323,8 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
 
         description = (order, model, tokens, types, unk, None if gemma else scores)
     else:
-        merges = gguf.field("tokenizer.ggml.merges")
-        if merges is None:
-            raise ModelError(f"{source}: a 'gpt2' vocabulary needs tokenizer.ggml.merges")
         pairs = []
-        for m in merges:
+        for m in gguf.field("tokenizer.ggml.merges"):
             left, sep, right = str(m).partition(" ")
             if not sep or not left or not right:
                 raise ModelError(f"{source}: tokenizer.ggml.merges entry {m!r} should be two tokens separated by a space")
@@ -258,9 +332,6 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
                 if part not in vocab:  # tokenizers would refuse it at the first encode, with no file named
                     raise ModelError(f"{source}: tokenizer.ggml.merges entry {m!r} makes or uses {part!r}, which is not in tokenizer.ggml.tokens")
             pairs.append((left, right))
-        pre = str(gguf.field("tokenizer.ggml.pre", "default"))
-        if pre not in BPE_SPLITS:
-            raise ModelError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; qkv splits words as {', '.join(map(repr, BPE_SPLITS))}")
 
         def build():
             tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=BPE_SPLITS[pre] is _LLAMA3_SPLIT))  # Llama 3 takes a word in the vocabulary whole
@@ -274,18 +345,7 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
             return specials(tok)
 
         description = ("bpe", model, pre, tokens, types, pairs)
-    tok = cached_tokenizer(description, build)
-    bos, eos = ident("tokenizer.ggml.bos_token_id"), ident("tokenizer.ggml.eos_token_id")
-    ends = [ident(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
-    ends += [vocab[t] for t in _END_OF_TURN if t in vocab and types[vocab[t]] == _CONTROL]  # a chat turn's end stops generation too
-    return TextTokenizer(
-        tok,
-        bos_id=bos,
-        eos_id=eos,
-        pad_id=ident("tokenizer.ggml.padding_token_id"),
-        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", model == "llama")),
-        eos_ids=[e for e in dict.fromkeys(ends) if e is not None],
-    )
+    return cached_tokenizer(description, build, key=key)
 
 
 def from_file(path: Path, config: dict) -> TextTokenizer:

@@ -146,10 +146,14 @@ class _Load:
         busy = _busy_seconds(cpus)
         return None if busy is None else (time.monotonic(), busy, time.process_time(), frozenset(cpus))
 
-    def free_cores(self) -> int:
-        """The cores this process may use less those others keep busy, at least 1."""
+    def count(self) -> int:
+        """The cores this process may use less those others keep busy (rounded), at least 1."""
         others = self.busy_cores()
-        free = max(1, self.cores - math.floor(others + 0.5))
+        return max(1, self.cores - math.floor(others + 0.5))
+
+    def free_cores(self) -> int:
+        """:meth:`count`, with BLAS set to it when it changed."""
+        free = self.count()
         if free != _blas_default_count:  # (after the first look, only when the count changes)
             _follow_default(free)
         return free
@@ -290,13 +294,14 @@ def _follow_default(n: int) -> None:
 
 
 def _apply_blas() -> None:
-    """BLAS's own threads at the chosen count (threadpoolctl; nothing without it, or while the pool pins BLAS).
+    """BLAS's own threads at the chosen count, else the default count (threadpoolctl; nothing without it;
+    inside a pinned pool section, set when the pin leaves).
 
     The pool module registers how (``_blas_setters``): it imports this one, never the other way."""
     global _blas_default_count
     target = _chosen if _chosen is not None else _from_env()
     if target is None:  # nobody chose: BLAS at the default count, and following it from here
-        target = _blas_default_count = max(1, _load.cores - math.floor(_load.busy_cores() + 0.5))
+        target = _blas_default_count = _load.count()
     else:
         _blas_default_count = None
     for setter in _blas_setters:

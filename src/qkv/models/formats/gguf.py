@@ -86,10 +86,10 @@ class _Strings:
     Decoding Gemma's 262,144 tokens takes about 0.4 s, and a tokenizer read from qkv's cache needs
     none of them (the cache is keyed on the field's bytes): :meth:`GGUFFile.field` decodes on first use."""
 
-    __slots__ = ("buf", "start", "end", "count", "source", "key")
+    __slots__ = ("buf", "start", "count", "source", "key")
 
-    def __init__(self, buf, start: int, end: int, count: int, source: str, key: str):
-        self.buf, self.start, self.end, self.count, self.source, self.key = buf, start, end, count, source, key
+    def __init__(self, buf, start: int, count: int, source: str, key: str):
+        self.buf, self.start, self.count, self.source, self.key = buf, start, count, source, key
 
     @classmethod
     def walk(cls, cur: _Cursor, n: int, key: str) -> "_Strings":
@@ -104,7 +104,7 @@ class _Strings:
             if pos > size_of:
                 raise ModelError(f"{cur.source}: truncated GGUF header in {key}")
         cur.pos = pos
-        return cls(buf, start, pos, n, cur.source, key)
+        return cls(buf, start, n, cur.source, key)
 
     def decode(self) -> list:
         """The strings (bounds checked by :meth:`walk`); invalid UTF-8 replaced, as for every string here."""

@@ -131,23 +131,9 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
         if etype in _NUMPY:  # numbers: one read, as an array
             dt = np.dtype(_NUMPY[etype])
             return np.frombuffer(cur.take(n * dt.itemsize), dt).copy()
-        if etype == _STRING and depth == 0 and n > _LAZY_STRINGS:
-            return _Strings.walk(cur, n, key)
-        if etype == _STRING:
-            # Strings one after another: a tight loop over the bytes, no per-item object but the str.
-            buf, pos, out = cur.buf, cur.pos, []
-            unpack = struct.unpack_from
-            for _ in range(n):
-                if pos + 8 > len(buf):
-                    raise ModelError(f"{cur.source}: truncated GGUF header in {key}")
-                (size,) = unpack("<Q", buf, pos)
-                pos += 8
-                if pos + size > len(buf):
-                    raise ModelError(f"{cur.source}: truncated GGUF header in {key}")
-                out.append(str(buf[pos : pos + size], "utf-8", "replace"))
-                pos += size
-            cur.pos = pos
-            return out
+        if etype == _STRING:  # lengths checked now; the strings decoded now, or first asked for if many
+            strings = _Strings.walk(cur, n, key)
+            return strings if depth == 0 and n > _LAZY_STRINGS else strings.decode()
         if depth >= _MAX_NESTING:
             raise ModelError(f"{cur.source}: metadata {key!r} nests arrays more than {_MAX_NESTING} deep: corrupt")
         return [_value(cur, etype, key, depth + 1) for _ in range(n)]

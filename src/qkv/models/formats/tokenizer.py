@@ -131,18 +131,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qkv"
 
 
-def _cache_path(key: str) -> Path:
-    return cache_dir() / "tokenizers" / f"{key}.json"
-
-
-def _read_cached(key: str):
-    """The tokenizer kept under ``key``, or None (missing, partial or foreign: rebuilt by the caller)."""
-    try:
-        return _tokenizers().Tokenizer.from_file(str(_cache_path(key)))
-    except Exception:
-        return None
-
-
 def cached_tokenizer(description, build, *, key: str | None = None):
     """The tokenizer ``build()`` makes for a vocabulary ``description``, kept on disk under its hash
     (or under ``key``, a hash of what the description was read from, when the caller has one).
@@ -158,10 +146,14 @@ def cached_tokenizer(description, build, *, key: str | None = None):
 
     from ..._files import write_atomic
 
+    tk = _tokenizers()
     if key is None:
         key = hashlib.sha256(json.dumps([_CACHE_FORMAT, description], ensure_ascii=False).encode("utf-8")).hexdigest()
-    path = _cache_path(key)
-    tok = _read_cached(key)
+    path = cache_dir() / "tokenizers" / f"{key}.json"
+    try:
+        tok = tk.Tokenizer.from_file(str(path))
+    except Exception:  # missing, partial or foreign: rebuild it
+        tok = None
     if tok is None:
         tok = build()
         try:
@@ -240,11 +232,10 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
         return int(v)
 
     key = _raw_key(gguf, model, gemma, pre, unk)
-    tok = None if key is None else _read_cached(key)
-    if tok is None:  # not cached (or no file bytes to key on): read the strings, check them, build
-        tok = _build(gguf, source, model, gemma, types, unk, scores, pre, key)
+    if key is not None:  # keyed on the file's bytes: the strings are read, checked and built from only on a miss
+        tok = cached_tokenizer(None, lambda: _recipe(gguf, source, model, gemma, types, unk, scores, pre)[1](), key=key)
     else:
-        _return_freed_heap()
+        tok = cached_tokenizer(*_recipe(gguf, source, model, gemma, types, unk, scores, pre))
     bos, eos = ident("tokenizer.ggml.bos_token_id"), ident("tokenizer.ggml.eos_token_id")
     ends = [ident(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
     for t in _END_OF_TURN:  # a chat turn's end stops generation too
@@ -284,9 +275,9 @@ def _raw_key(gguf, model: str, gemma: bool, pre, unk) -> str | None:
     return h.hexdigest()
 
 
-def _build(gguf, source: str, model: str, gemma: bool, types: list, unk, scores, pre, key):
-    """The tokenizer from the decoded vocabulary, checked (a vocabulary that cannot encode is refused
-    here, before anything is cached), through :func:`cached_tokenizer`."""
+def _recipe(gguf, source: str, model: str, gemma: bool, types: list, unk, scores, pre):
+    """``(description, build)`` of the decoded vocabulary, checked (a vocabulary that cannot encode is
+    refused here, before anything is built or cached): what :func:`cached_tokenizer` takes."""
     tk = _tokenizers()
     tokens = list(gguf.field("tokenizer.ggml.tokens", required=True))
     if model == "llama" and gemma:
@@ -345,7 +336,7 @@ def _build(gguf, source: str, model: str, gemma: bool, types: list, unk, scores,
             return specials(tok)
 
         description = ("bpe", model, pre, tokens, types, pairs)
-    return cached_tokenizer(description, build, key=key)
+    return description, build
 
 
 def from_file(path: Path, config: dict) -> TextTokenizer:

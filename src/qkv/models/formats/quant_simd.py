@@ -44,6 +44,7 @@ is one instruction with FMA3 (x86 since 2013, every ARMv8); elsewhere LLVM calls
 from __future__ import annotations
 
 import llvmlite.ir as ir
+from llvmlite.binding import llvm_version_info
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -62,6 +63,14 @@ LANES = 16
 #: 8 tokens: groups of 4 took 0.56-0.8x the time of groups of 2 for Q4_K, Q5_0 and Q6_K, the same for
 #: Q8_0; groups of 8 (more sums than registers) 1.8x for Q8_0).
 GROUP = 4
+
+#: Bytes ahead of the block being decoded that each block asks the memory to start fetching. A big table
+#: read row after row (Gemma 3 270M's 178 MB Q8_0 output table) ran at 6-8 GB/s a core without it, the
+#: hardware prefetcher alone not keeping enough reads in flight, and at 9-12 GB/s with it (one core's
+#: reads top out near 12 GB/s here: 30.5 -> 23.4 ms on 1 thread, 18.9 -> 14.9 ms on 2, medians of 6 in
+#: one process; 2,048 and 8,192 bytes did about as well). Matrices that sit in cache are unchanged. A
+#: prefetch never faults, so running past the end of the table is harmless.
+PREFETCH = 4096
 
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _V32F = ir.VectorType(_F32, 32)
@@ -105,6 +114,13 @@ def _fma(b, x, y, z):  # x * y + z, one rounding (vectors or scalars)
     name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
     fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(t, [t, t, t]), name)
     return b.call(fn, [x, y, z])
+
+
+def _prefetch(b, p):  # ask for the cache line at p (i8*), for reading, kept in every cache level
+    # The intrinsic is named after its pointer type: "p0i8" while LLVM had typed pointers (before 17).
+    name = "llvm.prefetch.p0" if llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), name)
+    b.call(fn, [p, _c(0, _I32), _c(3, _I32), _c(1, _I32)])
 
 
 def _hsum(b, v):  # the lanes added in halves (a fixed tree)
@@ -250,6 +266,7 @@ def _row_dots(code: int):
                 sums = [b.gep(sa.data, [b.mul(b.add(t0, _c(g)), n_runs)]) for g in range(group)]
                 with cgutils.for_range(b, n_blocks) as loop:
                     blk = loop.index
+                    _prefetch(b, b.gep(row, [b.add(b.mul(blk, _c(size)), _c(PREFETCH))]))
                     dd = b.load(b.gep(d_row, [blk]))
                     dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
                     for first, w in runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm):

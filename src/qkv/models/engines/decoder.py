@@ -42,7 +42,7 @@ from ...rope import apply_rope, rope_angles
 from ..errors import ModelError
 from .config import ModelConfig
 from .functional import ACTIVATIONS, rms_norm
-from ..formats.quants import matmul
+from ..formats.quants import DIRECT_TOKENS, kernel_available, matmul
 
 #: Up to this many tokens a forward pass runs BLAS on one thread (decode steps, batched ones too).
 SMALL_STEP_TOKENS = 8
@@ -409,8 +409,18 @@ class CausalLM:
             return res if output_attentions else (res, None)
 
         attentions, hidden = [], [h.copy()] if output_hidden_states else []
+        # A decode step (one token a row): each layer in three compiled calls, the same floats (decode_step).
+        steps = None
+        if L == 1 and B <= DIRECT_TOKENS and not output_attentions and h.dtype == np.float32 and kernel_available():
+            from . import decode_step  # numba's (the fast extra)
+
+            steps = decode_step.plan(self)
         for i, layer in enumerate(self.layers):
-            w = self._block(i, layer, h, rope_at, attend)
+            if steps is not None:
+                decode_step.block(self, i, steps[i], h, rope_at, attend)
+                w = None
+            else:
+                w = self._block(i, layer, h, rope_at, attend)
             if output_attentions:
                 attentions.append(w)
             if output_hidden_states:

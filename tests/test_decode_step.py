@@ -1,0 +1,91 @@
+"""The compiled decode step (qkv.models.engines.decode_step) against the NumPy path it replaces
+(CausalLM._block, one token a row): the same logits bit for bit, alone and in a padded batch, on the
+packaged Gemma 3 (query and key norms, post-norms, Q5_0 + Q8_0 stacked parts, Q4_K, Q6_K) and on
+llama and qwen3 files with K-quant blocks; and it steps aside where it does not apply."""
+
+import numpy as np
+import pytest
+
+import gguf_writer
+from qkv.models import load_causal_lm
+from qkv.models.engines import decode_step
+from qkv.models.formats.quants import QuantizedMatrix
+from qkv.models.load import default_causal_lm_path
+from test_gguf_families import _model
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_causal_lm(default_causal_lm_path())
+
+
+def _steps(lm, prompts, n, monkeypatch, enabled):  # -> (n + 1, B, V) logits of a prefill and n greedy steps
+    monkeypatch.setattr(decode_step, "ENABLED", enabled)
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros((len(prompts), width), bool)
+    for b, p in enumerate(prompts):  # left padding, as generate pads a batch
+        ids[b, width - len(p) :], mask[b, width - len(p) :] = p, True
+    cache = lm.new_cache()
+    out = [lm.forward(ids, cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]]
+    for _ in range(n):
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), bool)], axis=1)
+        out.append(lm.forward(out[-1].argmax(-1)[:, None], cache, attention_mask=mask, logits_to_keep=1).logits[:, -1])
+    return np.stack(out)
+
+
+def test_gemma_decode_steps_are_the_numpy_paths_floats(gemma, monkeypatch):
+    assert decode_step.plan(gemma) is not None
+    assert any(type(w).__name__ == "StackedMatrix" for layer in gemma.layers for w in (layer.w_qkv, layer.w_up))  # parts of two types
+    prompts = [gemma.tokenizer.encode("The capital of France is"), gemma.tokenizer.encode("def fibonacci(n):\n    ")]
+    for batch in ([prompts[0]], prompts):
+        want = _steps(gemma, batch, 10, monkeypatch, False)
+        got = _steps(gemma, batch, 10, monkeypatch, True)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_decode_step_really_takes_the_compiled_calls(gemma, monkeypatch):
+    calls = []
+    real = decode_step.block
+    monkeypatch.setattr(decode_step, "block", lambda *a: calls.append(a[1]) or real(*a))
+    gemma.generate("Hi", max_new_tokens=3, stop_at_eos=False)
+    assert calls == list(range(gemma.config.num_layers)) * 2  # two decode steps; the prompt took _block
+
+
+@pytest.mark.parametrize("family,qtype", [("llama", "Q4_K"), ("qwen3", "Q6_K"), ("llama", "Q8_0")])
+def test_gguf_family_decode_steps_are_the_numpy_paths_floats(family, qtype, torch, tmp_path, monkeypatch):
+    vocab = gguf_writer.byte_level_vocab()
+    model = _model(family, torch, len(vocab[0]), big=qtype != "Q8_0")
+    path = tmp_path / f"{family}-{qtype}.gguf"
+    gguf_writer.write(model, path, arch=family, outtype=qtype, vocab=vocab, rng=np.random.default_rng(2))
+    lm = load_causal_lm(path)
+    assert decode_step.plan(lm) is not None
+    prompts = [[5, 17, 101, 33], [250, 7]]
+    np.testing.assert_array_equal(_steps(lm, prompts, 6, monkeypatch, True), _steps(lm, prompts, 6, monkeypatch, False))
+
+
+def test_it_steps_aside_where_it_does_not_apply(gemma, torch, tmp_path, monkeypatch):
+    vocab = gguf_writer.byte_level_vocab()
+    path = tmp_path / "gpt2.gguf"
+    gguf_writer.write(_model("gpt2", torch, len(vocab[0])), path, arch="gpt2", outtype="Q8_0", vocab=vocab)
+    assert decode_step.plan(load_causal_lm(path)) is None  # LayerNorm and biases
+    path = tmp_path / "llama.gguf"
+    gguf_writer.write(_model("llama", torch, len(vocab[0])), path, arch="llama", outtype="F32", vocab=vocab)
+    assert decode_step.plan(load_causal_lm(path)) is None  # float32 weights: BLAS's products
+    monkeypatch.setattr(decode_step, "ENABLED", False)
+    assert decode_step.plan(gemma) is None
+
+
+def test_a_plan_follows_a_layer_given_new_weights(gemma, monkeypatch):
+    first = decode_step.plan(gemma)
+    layer = gemma.layers[0]
+    old = layer.w_down
+    new = QuantizedMatrix(old.raw.copy(), old.qtype, old.shape, name=old.name)
+    monkeypatch.setattr(layer, "w_down", new)
+    again = decode_step.plan(gemma)
+    assert again is not first and again[0].down.source is new
+    monkeypatch.setattr(decode_step, "ENABLED", False)
+    want = gemma.generate("Hi", max_new_tokens=4, stop_at_eos=False).token_ids
+    monkeypatch.setattr(decode_step, "ENABLED", True)
+    assert gemma.generate("Hi", max_new_tokens=4, stop_at_eos=False).token_ids == want

@@ -168,6 +168,16 @@ def test_generate_streams_what_the_library_generates(lm):
     assert "12 tokens" in r.stderr and "tokens/s" in r.stderr
 
 
+def test_generate_with_int8_activations_is_the_library_under_the_switch(lm):
+    from qkv.models.formats.quants import int8_activations
+
+    r = run("generate", "The capital of France is", "--max-new-tokens", "16", "--int8-activations", "--json")
+    assert r.returncode == 0, r.stderr
+    with int8_activations():
+        want = lm.generate("The capital of France is", max_new_tokens=16)
+    assert json.loads(r.stdout)["token_ids"] == want.token_ids
+
+
 def test_generate_json_and_seeded_sampling(lm):
     args = ["generate", "Once upon a time", "--max-new-tokens", "8", "--temperature", "0.9", "--top-k", "50", "--top-p", "0.9", "--seed", "3", "--json"]
     a, b = run(*args), run(*args)

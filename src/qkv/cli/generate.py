@@ -136,7 +136,23 @@ def cmd_generate(args) -> int:
     if args.system is not None and not args.chat:
         raise CLIError("--system has no effect without --chat")
     if seq2seq:
+        if args.int8_activations:
+            raise CLIError("--int8-activations is for a causal LM's quantized products (a GGUF --model); an encoder-decoder runs float32")
         return _generate_seq2seq(args, prompt)
+    with _activations(args):
+        return _generate(args, prompt, options)
+
+
+def _activations(args):
+    """--int8-activations: llama.cpp's int8 activations in the quantized products (qkv.models.formats.quants.int8_activations)."""
+    from ..models.formats.quants import int8_activations, kernel_available
+
+    if args.int8_activations and not kernel_available():
+        raise CLIError("--int8-activations needs the compiled products: pip install 'qkv[fast]'")
+    return int8_activations(args.int8_activations)
+
+
+def _generate(args, prompt: str, options: dict) -> int:
     lm = _load(args.model, "decoder")
     stream = None if args.json else _Stream(lm.tokenizer, options["stop"])
     if args.chat:
@@ -160,6 +176,11 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     """An interactive conversation: a line a turn, the model's reply streamed; Ctrl-D (end of input) ends it."""
     options = _sampling(args)
+    with _activations(args):
+        return _chat(args, options)
+
+
+def _chat(args, options: dict) -> int:
     lm = _load(args.model, "decoder")
     _chat_model(lm)
     _base_model_note(lm)
@@ -206,3 +227,4 @@ def _add_sampling(p, *, default_tokens: int) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1, tokens already seen are made less likely (default 1: none)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop when the new text contains TEXT (cut before it; escapes as llama.cpp reads them: \\n, \\t, \\xNN, ...); may be given several times")
     p.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")
+    p.add_argument("--int8-activations", action="store_true", help="round each token's activations to int8 per block of 32 before the quantized products, as llama.cpp does: faster decoding, not exact (logits move by up to a few tenths; greedy text can part from the default's after some tokens)")

@@ -1,4 +1,4 @@
-"""A decode step's layer in three compiled calls, with no Python between its products.
+"""A decode step's layer in two compiled calls, with no Python between its products.
 
 One token a row, a layer of :meth:`CausalLM._block` is some 25 small steps:
 a norm, the query/key/value product, a slice, the query and key norms,
@@ -6,24 +6,25 @@ RoPE, the cache, attention, the output product, two more norms, a residual
 add, the up product, the activation, the down product, a norm, a residual.
 Each is microseconds of work and tens of microseconds of Python and NumPy
 dispatch: 9-11 ms of a 45-58 ms Gemma 3 270M token (``benchmarks/profile_decode.py``).
-Here a layer is three compiled calls around the cache and attention, which
+Here a layer is two compiled calls around the cache and attention, which
 stay as they are::
 
     q, k, v = _attention_in(h, ...)      # norm, q/k/v product, q/k norms, RoPE
-    o = attend(i, q, k, v)               # the caller's cache and attention (CausalLM's or a server's)
-    u = _attention_out(o, h, ...)        # output product, post-norm, h += o, norm, up product
-    g = act(u)                           # the activation, NumPy, as _block applies it
-    _mlp_out(g, h, ...)                  # down product, post-norm, h += m
+    o = attend(i, q, k, v)               # the caller's cache and attention
+    _after_attention(o, h, ...)          # output product, post-norm, h += o, norm, up product,
+                                         # activation, down product, post-norm, h += m
 
 Each call runs the kernels the NumPy path runs (:mod:`quant_simd`'s products
-through the same compiled function, :mod:`qkv._compiled`'s RMSNorm and RoPE),
-on the same values in the same order, so a step's logits are the NumPy path's
-floats bit for bit; ``tests/test_decode_step.py`` checks that on each family it
-covers, and :data:`ENABLED` turns it off.
+through the same compiled function, :mod:`qkv._compiled`'s RMSNorm, RoPE and
+activation), on the same values in the same order, so a step's logits are the
+NumPy path's floats bit for bit; ``tests/test_decode_step.py`` checks that on
+each family it covers, and :data:`ENABLED` turns it off. Under
+:func:`qkv.models.formats.quants.int8_activations` the products are
+:mod:`quant_int8`'s, as the NumPy path's are then.
 
 It covers the layers most decoders have: RMSNorm, no biases, RoPE (rotate
-half), a dense MLP, and weights kept in GGUF blocks (the types
-:mod:`quant_simd` multiplies). Anything else, and more than
+half), a dense MLP with a GELU or SiLU, and weights kept in GGUF blocks (the
+types :mod:`quant_simd` multiplies). Anything else, and more than
 :data:`qkv.models.formats.quants.DIRECT_TOKENS` rows, takes ``_block``.
 
 Letters: B rows (one token each), E model dim, Hq/Hk query/key heads, D head
@@ -37,11 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from ..._compiled import _rms_norm_rows, _rope_rows
-from ..._parallel import scratch
+from ..._compiled import _activation, _rms_norm_rows, _rope_rows
 from ...threads import use_numba_threads
-from ..formats import quant_simd, quants
-from .functional import ACTIVATIONS
+from ..formats import quant_int8, quant_simd, quants
 
 __all__ = ["ENABLED", "Plan", "plan", "block"]
 
@@ -49,6 +48,8 @@ __all__ = ["ENABLED", "Plan", "plan", "block"]
 ENABLED = True
 
 _NONE = np.zeros(0, np.float32)  # an absent norm's weight
+#: Activations by config name -> the kind _compiled's activation takes (ACTIVATIONS' compiled path).
+_ACTIVATIONS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "gelu_fast": 1, "silu": 2, "swish": 2}
 _BLOCK_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")  # what quant_simd multiplies (F16 and BF16 go elsewhere)
 
 
@@ -83,6 +84,7 @@ class Plan:
     post_attn_norm: np.ndarray
     mlp_norm: np.ndarray
     post_mlp_norm: np.ndarray
+    act: int  # the compiled activation's kind: 0 exact GELU, 1 tanh GELU, 2 SiLU
 
     def stale(self) -> bool:
         L = self.layer
@@ -101,7 +103,8 @@ def _norm(cfg, weights):  # (weight, bias) or None -> float32 weight, or _NONE; 
 def plan(lm) -> list | None:
     """Each layer's :class:`Plan`, or None when some part of the model is not covered (see the module's docstring)."""
     cfg = lm.config
-    if not ENABLED or cfg.norm != "rms" or not cfg.rope or quants._default_kernel() == "numpy" or not quants.kernel_available():
+    act = _ACTIVATIONS.get(cfg.activation)
+    if not ENABLED or act is None or cfg.norm != "rms" or not cfg.rope or quants._default_kernel() == "numpy" or not quants.kernel_available():
         return None
     cached = getattr(lm, "_decode_plan", None)
     if cached is not None and not any(p.stale() for p in cached):
@@ -114,13 +117,13 @@ def plan(lm) -> list | None:
         norms = [_norm(cfg, w) for w in (L.attn_norm, None if L.q_norm is None else (L.q_norm, None), None if L.k_norm is None else (L.k_norm, None), L.post_attn_norm, L.mlp_norm, L.post_mlp_norm)]
         if any(m is None for m in mats) or any(n is None for n in norms) or norms[0] is _NONE or norms[4] is _NONE:
             return None
-        plans.append(Plan(L, *mats, *norms))
+        plans.append(Plan(L, *mats, *norms, act))
     lm._decode_plan = plans
     return plans
 
 
 def block(lm, i: int, p: Plan, h: np.ndarray, rope_at, attend) -> None:  # (B, 1, E) float32 updated in place
-    """Layer ``i`` on one token a row: what ``lm._block(i, ...)`` computes, in three compiled calls."""
+    """Layer ``i`` on one token a row: what ``lm._block(i, ...)`` computes, in two compiled calls."""
     cfg = lm.config
     B, E = h.shape[0], h.shape[2]
     Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -128,17 +131,11 @@ def block(lm, i: int, p: Plan, h: np.ndarray, rope_at, attend) -> None:  # (B, 1
     use_numba_threads()
     cos, sin = rope_at(cfg.rope_bases[i])  # (L, D/2) or (B, 1, L, D/2)
     c4, s4 = cos.reshape((-1, 1) + cos.shape[-2:]), sin.reshape((-1, 1) + sin.shape[-2:])  # as rope_ shapes them
-    q, k, v = _attention_in(h, p.attn_norm, eps, *_args(p.qkv), p.q_norm, p.k_norm, c4, s4, Hq, Hk, D)
+    int8 = quants.int8_active()  # llama.cpp's int8 activations, where asked for
+    q, k, v = _attention_in(h, p.attn_norm, eps, *_args(p.qkv), p.q_norm, p.k_norm, c4, s4, Hq, Hk, D, int8)
     o, _ = attend(i, q, k, v)  # (B, Hq, 1, D)
-    u = _attention_out(np.ascontiguousarray(o).reshape(B, Hq * D), h, *_args(p.out), p.post_attn_norm, p.mlp_norm, *_args(p.up), eps)  # (B, 1, 2F or F)
-    act = ACTIVATIONS[cfg.activation]
-    if cfg.gated_mlp:  # as _block: act(gate) in place, times up
-        F = cfg.intermediate_size
-        g = act(u[..., :F], [scratch(f"lm.act{j}", (B, 1, F), u.dtype) for j in range(3)])
-        g *= u[..., F:]
-    else:
-        g = act(u, [scratch(f"lm.act{j}", u.shape, u.dtype) for j in range(3)])
-    _mlp_out(np.ascontiguousarray(g).reshape(B, -1), h, *_args(p.down), p.post_mlp_norm, eps)
+    F = cfg.intermediate_size if cfg.gated_mlp else 0
+    _after_attention(np.ascontiguousarray(o).reshape(B, Hq * D), h, *_args(p.out), p.post_attn_norm, p.mlp_norm, *_args(p.up), p.act, F, *_args(p.down), p.post_mlp_norm, eps, int8)
 
 
 def _args(m: _Matrix):
@@ -149,25 +146,33 @@ def _args(m: _Matrix):
 
 
 @njit(cache=True, nogil=True)
-def _product(raws, ds, dmins, codes, x, out):  # (T, in) f32 -> out (T, sum R_p): each part as quants.matmul multiplies it
+def _part(raw, d, dmin, code, x, out, int8):  # one part, as QuantizedMatrix._direct multiplies it
+    if int8:
+        quant_int8._matmul_parallel(raw, d, dmin, code, x, out)
+    else:
+        quant_simd._matmul_parallel(raw, d, dmin, code, x, out)
+
+
+@njit(cache=True, nogil=True)
+def _product(raws, ds, dmins, codes, x, out, int8):  # (T, in) f32 -> out (T, sum R_p): each part as quants.matmul multiplies it
     if len(raws) == 1:
-        quant_simd._matmul_parallel(raws[0], ds[0], dmins[0], codes[0], x, out)
+        _part(raws[0], ds[0], dmins[0], codes[0], x, out, int8)
         return
     c0 = 0
     for j in range(len(raws)):
         part = np.empty((x.shape[0], raws[j].shape[0]), np.float32)
-        quant_simd._matmul_parallel(raws[j], ds[j], dmins[j], codes[j], x, part)
+        _part(raws[j], ds[j], dmins[j], codes[j], x, part, int8)
         out[:, c0 : c0 + part.shape[1]] = part
         c0 += part.shape[1]
 
 
 @njit(cache=True, nogil=True)
-def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin, Hq, Hk, D):  # (B, 1, E) -> q (B, Hq, 1, D), k, v (B, Hk, 1, D)
+def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8):  # (B, 1, E) -> q (B, Hq, 1, D), k, v (B, Hk, 1, D)
     B, E = h.shape[0], h.shape[2]
     a = np.empty((B, 1, E), np.float32)
     _rms_norm_rows(h, norm, eps, a)
     qkv = np.empty((B, (Hq + 2 * Hk) * D), np.float32)
-    _product(raws, ds, dmins, codes, a.reshape(B, E), qkv)
+    _product(raws, ds, dmins, codes, a.reshape(B, E), qkv, int8)
     q = np.empty((B, Hq, D), np.float32)  # (B, L=1, H, D) merged to (B, H, D), as rms_norm_ merges it
     k = np.empty((B, Hk, D), np.float32)
     v = np.empty((B, Hk, 1, D), np.float32)
@@ -188,10 +193,11 @@ def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin
 
 
 @njit(cache=True, nogil=True)
-def _attention_out(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, eps):  # (B, Hq D), (B, 1, E) in place -> (B, 1, 2F or F)
+def _after_attention(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, act, F,
+                     down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8):  # (B, Hq D), (B, 1, E) updated in place  # fmt: skip
     B, E = h.shape[0], h.shape[2]
     y = np.empty((B, 1, E), np.float32)
-    _product(raws, ds, dmins, codes, o, y.reshape(B, E))
+    _product(raws, ds, dmins, codes, o, y.reshape(B, E), int8)
     if post_norm.size:
         z = np.empty((B, 1, E), np.float32)
         _rms_norm_rows(y, post_norm, eps, z)
@@ -202,18 +208,20 @@ def _attention_out(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws, u
     width = 0
     for j in range(len(up_raws)):
         width += up_raws[j].shape[0]
-    u = np.empty((B, 1, width), np.float32)
-    _product(up_raws, up_ds, up_dmins, up_codes, m.reshape(B, E), u.reshape(B, width))
-    return u
-
-
-@njit(cache=True, nogil=True)
-def _mlp_out(g, h, raws, ds, dmins, codes, post_norm, eps):  # (B, F), (B, 1, E) in place
-    B, E = h.shape[0], h.shape[2]
+    u = np.empty((B, width), np.float32)
+    _product(up_raws, up_ds, up_dmins, up_codes, m.reshape(B, E), u, int8)
+    if F:  # gated: act(gate) * up, as _block (the same compiled activation, then NumPy's product)
+        g = u[:, :F]
+        _activation(g, act)
+        g *= u[:, F:]
+        g = np.ascontiguousarray(g)
+    else:
+        _activation(u, act)
+        g = u
     y = np.empty((B, 1, E), np.float32)
-    _product(raws, ds, dmins, codes, g, y.reshape(B, E))
-    if post_norm.size:
+    _product(down_raws, down_ds, down_dmins, down_codes, g, y.reshape(B, E), int8)
+    if post_mlp_norm.size:
         z = np.empty((B, 1, E), np.float32)
-        _rms_norm_rows(y, post_norm, eps, z)
+        _rms_norm_rows(y, post_mlp_norm, eps, z)
         y = z
     h += y

@@ -30,13 +30,15 @@ server needs to answer a request the same alone or beside others
 (:func:`qkv.models.formats.quants.row_invariant`), and here it costs nothing:
 a group of tokens shares the decoding of each block (:data:`GROUP`).
 
-Each block type gives one function, ``_runs_<type>(builder, row, b, at, d, dmin)
--> [(x offset, w)]``, that emits the IR decoding block ``b`` of a row (its
-bytes at ``at``) into runs of 32 float32 values (or, for the K-quants with
-an offset, a :class:`_Factored` run) with the
-same operations, in the same order, as the exact decoders of
-:mod:`qkv.models.formats.quant_kernels` (``tests/test_quants.py`` checks the
-products against gguf's decoded weights, and their invariance). ``llvm.fma``
+Each block type gives one function, ``_ints_<type>(builder, row, b, at, d, dmin)``,
+that emits the IR unpacking block ``b`` of a row (its bytes at ``at``) into
+runs of 32 integers and their scales (:class:`_Ints`; :mod:`quant_int8`
+multiplies those by int8 activations); :func:`_runs_of` turns them into runs
+of 32 float32 values (or, for the K-quants with an offset, a
+:class:`_Factored` run) with the same operations, in the same order, as the
+exact decoders of :mod:`qkv.models.formats.quant_kernels` (``tests/test_quants.py``
+checks the products against gguf's decoded weights, and their invariance).
+``llvm.fma``
 is one instruction with FMA3 (x86 since 2013, every ARMv8); elsewhere LLVM calls
 ``fmaf``, exact but slow.
 """
@@ -139,28 +141,41 @@ def _to_f32(b, q):  # <32 x i8> or <32 x i32> (signed) -> <32 x float>, exact
 # ------------------------------------------------------------ each block type: block -> runs of 32 values
 #
 # Arguments: the IR builder, the row's first byte (i8*), block b (i64), its byte offset `at`, and the
-# block's scales d, dmin (float). Returns [(offset of the run's first value in the row, <32 x float>)].
+# block's scales d, dmin (float). ``_ints_<type>`` returns the block's runs as integers (:class:`_Ints`):
+# what :mod:`quant_int8` multiplies by int8 activations; ``_runs_of`` turns them into the float runs
+# these kernels multiply: [(offset of the run's first value in the row, <32 x float> or _Factored)].
 
 
-def _runs_q8_0(b, row, blk, at, d, dmin):  # 34 bytes: f16 d, 32 int8
-    q = _bytes(b, row, b.add(at, _c(2)), 32)
-    return [(b.mul(blk, _c(32)), b.fmul(_to_f32(b, q), _splat(b, d)))]  # float(q) * d
+class _Ints:
+    """A run of 32 values as integers: ``scale * q`` (a scalar scale, or a pair: one for each 16 values),
+    or, for the K-quants, ``scale * q - offset`` with q unsigned; ``run`` indexes the row's runs of 32."""
+
+    def __init__(self, first, q, scale, offset=None, run=None):
+        self.first, self.q, self.scale, self.offset, self.run = first, q, scale, offset, run
+
+    @property
+    def signed(self) -> bool:
+        return self.offset is None
 
 
-def _runs_q4_0(b, row, blk, at, d, dmin):  # 18 bytes: f16 d, 16 bytes of two nibbles (values j and j + 16)
+def _ints_q8_0(b, row, blk, at, d, dmin):  # 34 bytes: f16 d, 32 int8
+    return [_Ints(b.mul(blk, _c(32)), _bytes(b, row, b.add(at, _c(2)), 32), d)]
+
+
+def _ints_q4_0(b, row, blk, at, d, dmin):  # 18 bytes: f16 d, 16 bytes of two nibbles (values j and j + 16)
     v = _bytes(b, row, b.add(at, _c(2)), 16)
     q = b.sub(_join(b, b.and_(v, _b8(15, 16)), b.lshr(v, _b8(4, 16))), _b8(8))  # in [-8, 7]
-    return [(b.mul(blk, _c(32)), b.fmul(_splat(b, d), _to_f32(b, q)))]
+    return [_Ints(b.mul(blk, _c(32)), q, d)]
 
 
-def _runs_q5_0(b, row, blk, at, d, dmin):  # 22 bytes: f16 d, 32 fifth bits, 16 bytes of nibbles
+def _ints_q5_0(b, row, blk, at, d, dmin):  # 22 bytes: f16 d, 32 fifth bits, 16 bytes of nibbles
     qh = _bytes(b, row, b.add(at, _c(2)), 4)  # value k's fifth bit: bit k % 8 of byte k // 8
     v = _bytes(b, row, b.add(at, _c(6)), 16)
     nib = _join(b, b.and_(v, _b8(15, 16)), b.lshr(v, _b8(4, 16)))
     bits = b.and_(b.shuffle_vector(qh, qh, _vec([k // 8 for k in range(32)])), _vec([1 << (k % 8) for k in range(32)], _I8))
     high = b.select(b.icmp_unsigned("!=", bits, _b8(0)), _b8(16), _b8(0))
     q = b.sub(b.or_(nib, high), _b8(16))  # in [-16, 15]
-    return [(b.mul(blk, _c(32)), b.fmul(_splat(b, d), _to_f32(b, q)))]
+    return [_Ints(b.mul(blk, _c(32)), q, d)]
 
 
 class _Factored:
@@ -186,7 +201,7 @@ def _k_factors(b, row, at, s, d, dmin):  # sub-block s -> (d * scale, dmin * min
     return b.fmul(d, b.sitofp(a, _F32)), b.fmul(dmin, b.sitofp(m, _F32))
 
 
-def _runs_k(b, row, blk, at, d, dmin, qs, high):  # Q4_K (high None) / Q5_K: 8 runs of 32
+def _ints_k(b, row, blk, at, d, dmin, qs, high):  # Q4_K (high None) / Q5_K: 8 runs of 32, q unsigned
     runs = []
     hb = None if high is None else _bytes(b, row, b.add(at, _c(high)), 32)
     for g in range(4):  # sub-blocks 2g (low nibbles of 32 bytes) and 2g + 1 (high nibbles)
@@ -199,20 +214,19 @@ def _runs_k(b, row, blk, at, d, dmin, qs, high):  # Q4_K (high None) / Q5_K: 8 r
         first = b.add(b.mul(blk, _c(256)), _c(64 * g))
         for k, q in enumerate((lo, hi)):
             ds, ms = _k_factors(b, row, at, 2 * g + k, d, dmin)
-            # Not decoded (d0 * q - n0 a value): the kernel takes d0 * (q . x) - n0 * sum(x) a run.
-            runs.append((b.add(first, _c(32 * k)), _Factored(_to_f32(b, q), ds, ms, b.add(b.mul(blk, _c(8)), _c(2 * g + k)))))
+            runs.append(_Ints(b.add(first, _c(32 * k)), q, ds, ms, b.add(b.mul(blk, _c(8)), _c(2 * g + k))))
     return runs
 
 
-def _runs_q4_k(b, row, blk, at, d, dmin):  # 144 bytes: f16 d, f16 dmin, 12 bytes of scales, 128 of nibbles
-    return _runs_k(b, row, blk, at, d, dmin, 16, None)
+def _ints_q4_k(b, row, blk, at, d, dmin):  # 144 bytes: f16 d, f16 dmin, 12 bytes of scales, 128 of nibbles
+    return _ints_k(b, row, blk, at, d, dmin, 16, None)
 
 
-def _runs_q5_k(b, row, blk, at, d, dmin):  # 176 bytes: as Q4_K, with 32 bytes of fifth bits before the nibbles
-    return _runs_k(b, row, blk, at, d, dmin, 48, 16)
+def _ints_q5_k(b, row, blk, at, d, dmin):  # 176 bytes: as Q4_K, with 32 bytes of fifth bits before the nibbles
+    return _ints_k(b, row, blk, at, d, dmin, 48, 16)
 
 
-def _runs_q6_k(b, row, blk, at, d, dmin):  # 210 bytes: 128 low nibbles, 64 of 2-bit pairs, 16 int8 scales, f16 d
+def _ints_q6_k(b, row, blk, at, d, dmin):  # 210 bytes: 128 low nibbles, 64 of 2-bit pairs, 16 int8 scales, f16 d
     runs = []
     for half in range(2):  # 128 values each
         lo_at, hi_at, so = 64 * half, 128 + 32 * half, 192 + 8 * half
@@ -228,12 +242,31 @@ def _runs_q6_k(b, row, blk, at, d, dmin):  # 210 bytes: 128 low nibbles, 64 of 2
                 s = b.sext(b.load(b.gep(row, [b.add(at, _c(so + 2 * i + p))])), _I32)
                 return b.fmul(d, b.sitofp(s, _F32))
 
-            sv = b.shuffle_vector(_splat(b, scale(0), 16), _splat(b, scale(1), 16), _vec(range(32)))
-            runs.append((b.add(b.mul(blk, _c(256)), _c(128 * half + 32 * i)), b.fmul(sv, _to_f32(b, q))))
+            runs.append(_Ints(b.add(b.mul(blk, _c(256)), _c(128 * half + 32 * i)), q, (scale(0), scale(1))))
     return runs
 
 
-_RUNS = {_Q8_0: (_runs_q8_0, 34), _Q4_0: (_runs_q4_0, 18), _Q5_0: (_runs_q5_0, 22), _Q4_K: (_runs_q4_k, 144), _Q5_K: (_runs_q5_k, 176), _Q6_K: (_runs_q6_k, 210)}
+def _runs_of(ints_of):
+    """The float runs of a block type, from its integer runs: ``scale * float(q)`` a value (exact: the same
+    floats as :mod:`quant_kernels`' decoders), the K-quants left :class:`_Factored`."""
+
+    def runs(b, row, blk, at, d, dmin):
+        out = []
+        for r in ints_of(b, row, blk, at, d, dmin):
+            if r.offset is not None:  # not decoded (d0 * q - n0 a value): the kernel takes d0 * (q . x) - n0 * sum(x) a run
+                out.append((r.first, _Factored(_to_f32(b, r.q), r.scale, r.offset, r.run)))
+            elif isinstance(r.scale, tuple):  # a scale for each 16 values
+                sv = b.shuffle_vector(_splat(b, r.scale[0], 16), _splat(b, r.scale[1], 16), _vec(range(32)))
+                out.append((r.first, b.fmul(sv, _to_f32(b, r.q))))
+            else:
+                out.append((r.first, b.fmul(_to_f32(b, r.q), _splat(b, r.scale))))
+        return out
+
+    return runs
+
+
+_INTS = {_Q8_0: (_ints_q8_0, 34), _Q4_0: (_ints_q4_0, 18), _Q5_0: (_ints_q5_0, 22), _Q4_K: (_ints_q4_k, 144), _Q5_K: (_ints_q5_k, 176), _Q6_K: (_ints_q6_k, 210)}
+_RUNS = {code: (_runs_of(ints), size) for code, (ints, size) in _INTS.items()}
 
 
 # ------------------------------------------------------------ the kernels
@@ -340,6 +373,11 @@ def matmul_blocks(raw, d, dmin, code, x, out):  # (R, row bytes) u8, (R, nb) f32
 
     Each result depends on its row and token alone (see the module's docstring). The arrays are read
     without bounds checks, so their shapes are checked here."""
+    _check_shapes(raw, d, dmin, code, x, out)
+    _matmul_parallel(raw, d, dmin, code, x, out)
+
+
+def _check_shapes(raw, d, dmin, code, x, out) -> None:  # the kernels read without bounds checks
     per, size = (32, _RUNS[code][1]) if code in (_Q8_0, _Q4_0, _Q5_0) else (256, _RUNS[code][1])
     R, nb = d.shape
     T, n_in = x.shape
@@ -348,4 +386,3 @@ def matmul_blocks(raw, d, dmin, code, x, out):  # (R, row bytes) u8, (R, nb) f32
     for a, name in ((raw, "raw"), (d, "d"), (dmin, "dmin"), (x, "x"), (out, "out")):  # (the 32-value types' dmin is never read)
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} should be C-contiguous")
-    _matmul_parallel(raw, d, dmin, code, x, out)

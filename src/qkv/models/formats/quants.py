@@ -46,7 +46,7 @@ import numpy as np
 from ...threads import use_numba_threads
 from ..errors import ModelError
 
-__all__ = ["QuantizedMatrix", "StackedMatrix", "stack", "permute_rows", "matmul", "row_invariant", "SUPPORTED", "BLOCKS", "dequantize_rows", "kernel_available"]
+__all__ = ["QuantizedMatrix", "StackedMatrix", "stack", "permute_rows", "matmul", "row_invariant", "int8_activations", "SUPPORTED", "BLOCKS", "dequantize_rows", "kernel_available"]
 
 #: type -> (values a block, bytes a block)
 BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
@@ -88,6 +88,42 @@ def row_invariant(on: bool = True):
         yield
     finally:
         _ROW_INVARIANT.reset(token)
+
+
+_INT8_ACTIVATIONS = contextvars.ContextVar("qkv_int8_activations", default=False)
+
+
+@contextlib.contextmanager
+def int8_activations(on: bool = True):
+    """Within it (in this thread), the block products of up to :data:`DIRECT_TOKENS` tokens (a decode
+    step, a server's batch, a short prompt) round the activations to int8 per block of 32 first and
+    multiply integers, as llama.cpp does: faster, not exact (each product moves by up to half an
+    activation step; see :mod:`quant_int8`). Longer prompts' products, float32 weights and F16/BF16
+    ones are unchanged. Each token's result still depends on its
+    row and its own activations alone.
+
+    >>> import numpy as np
+    >>> from gguf.quants import quantize
+    >>> from gguf import GGMLQuantizationType as Q
+    >>> rng = np.random.default_rng(0)
+    >>> m = QuantizedMatrix(quantize(rng.standard_normal((64, 96)).astype(np.float32), Q.Q8_0), "Q8_0", (64, 96))
+    >>> x = rng.standard_normal((1, 96)).astype(np.float32)
+    >>> with int8_activations():
+    ...     y = m.matmul(x)
+    >>> exact = m.matmul(x)
+    >>> bool(0 < np.abs(y - exact).max() < 0.02 * np.abs(exact).max())
+    True
+    """
+    token = _INT8_ACTIVATIONS.set(bool(on))
+    try:
+        yield
+    finally:
+        _INT8_ACTIVATIONS.reset(token)
+
+
+def int8_active() -> bool:
+    """Whether :func:`int8_activations` is on here (and numba there to run it)."""
+    return _INT8_ACTIVATIONS.get() and kernel_available()
 
 
 def _invariant_kernels() -> bool:
@@ -272,6 +308,10 @@ class QuantizedMatrix:
 
         if self.qtype in ("F16", "BF16"):
             qk.matmul_lut(self.raw.view(np.uint16), qk.F16_TABLE if self.qtype == "F16" else qk.BF16_TABLE, x2, out)
+        elif int8_active():
+            from . import quant_int8
+
+            quant_int8.matmul_blocks_int8(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
         else:
             quant_simd.matmul_blocks(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
 

@@ -1,0 +1,182 @@
+"""Products on GGUF blocks with int8 activations, as llama.cpp computes them: opt-in, faster, not exact.
+
+qkv's products keep the activations in float32 (:mod:`quant_simd`): each
+weight is turned into a float and multiplied, about twenty instructions for
+32 values, so a decode step's layer products are bound by arithmetic, not by
+memory. llama.cpp rounds the activations to int8 first, per block of 32
+(``x ~ dx * xq``, ``dx = max |x| / 127``), and multiplies integers: with AVX2,
+``vpmaddubsw`` and ``vpmaddwd`` give the 32 products of a run summed in 8
+lanes in two instructions. Here, for a row r and token t::
+
+    acc = 0                                          # 8 float32 lanes
+    for each run k of 32 values (in file order):     # the block types' integer runs, quant_simd._ints_<type>
+        p = the 32 products q * xq[t, run], summed in 8 lanes of 4    # int32, exact
+        acc = fma(float(p), scale_k * dx[t, k], acc)  # scale_k: the run's (or each 16 values') scale
+    out[t, r] = the lanes of acc added in halves - sum_k offset_k * dx[t, k] * sum(xq[t, run k])  (K-quants)
+
+The rounding of x is the whole error: each product moves by at most half an
+activation step, ``|d q| * dx / 2``. On Gemma 3 270M it moves logits by a
+few hundredths to a few tenths, and greedy text can part from the float32
+path's after a few dozen tokens (``benchmarks/bench_decoder.py`` measures both).
+It is off unless asked for (:func:`qkv.models.formats.quants.int8_activations`,
+``--int8-activations``), and only the products of up to
+:data:`~qkv.models.formats.quants.DIRECT_TOKENS` tokens use it (decode steps,
+a server's batch, a short prompt); a longer prompt's products stay float32.
+
+Each result depends on its row and token alone, in a fixed order, so the
+answers are the same whatever the batch, as in the float path.
+
+Letters: T tokens, R rows, N values a row.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llb
+import llvmlite.ir as ir
+import numpy as np
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _hsum, _prefetch, _splat, _vec, GROUP, PREFETCH
+
+__all__ = ["matmul_blocks_int8", "quantize_activations"]
+
+_V8F, _V8I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+#: vpmaddubsw and vpmaddwd where the machine has AVX2; elsewhere the same integers by plain vector code.
+AVX2 = "+avx2" in llb.get_host_cpu_features().flatten().split(",")
+
+
+def _dot32(b, q, xq, signed: bool):  # <32 x i8> q, <32 x i8> xq -> <8 x i32>: lane k = sum of products 4k .. 4k + 3 (exact)
+    if AVX2:
+        i16 = ir.VectorType(ir.IntType(16), 16)
+        if signed:  # vpmaddubsw takes unsigned x signed: |q| against xq with q's sign (|xq| <= 127: no overflow)
+            zero = ir.Constant(q.type, 0)
+            neg = b.icmp_signed("<", q, zero)
+            q, xq = b.select(neg, b.sub(zero, q), q), b.select(neg, b.sub(zero, xq), xq)
+        pairs = b.call(cgutils.get_or_insert_function(b.module, ir.FunctionType(i16, [q.type, q.type]), "llvm.x86.avx2.pmadd.ub.sw"), [q, xq])
+        return b.call(cgutils.get_or_insert_function(b.module, ir.FunctionType(_V8I, [i16, i16]), "llvm.x86.avx2.pmadd.wd"), [pairs, ir.Constant(i16, 1)])
+    wide = ir.VectorType(_I32, 32)
+    p = b.mul(b.sext(q, wide) if signed else b.zext(q, wide), b.sext(xq, wide))
+    for n in (16, 8):  # neighbours added: lane k of 8 holds products 4k .. 4k + 3, as vpmaddwd's
+        p = b.add(b.shuffle_vector(p, p, _vec(range(0, 2 * n, 2))), b.shuffle_vector(p, p, _vec(range(1, 2 * n, 2))))
+    return p
+
+
+def _row_dots_int8(code: int):
+    """An intrinsic ``(raw, d, dmin, xq, dx, xs, r, out) -> None``: out[t, r] <- row r . (dx[t] * xq[t])."""
+    ints_of, size = _INTS[code]
+    k_quant = code in (_Q4_K, _Q5_K)
+
+    @intrinsic
+    def dots(typingctx, raw, d, dmin, xq, dx, xs, r, out):
+        def codegen(context, b, sig, args):
+            ra, da, ma, xa, sa, ua, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 5, 7))
+            r = args[6]
+            n_blocks, n_in, n_runs, n_out = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(sa.shape, 1), b.extract_value(oa.shape, 1)
+            row = b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))])
+            d_row = b.gep(da.data, [b.mul(r, n_blocks)])
+            m_row = b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))])
+
+            def tokens(t0, group):  # tokens t0 .. t0 + group - 1, sharing each block's unpacking
+                ts = [b.add(t0, _c(g)) for g in range(group)]
+                xs_ = [b.gep(xa.data, [b.mul(t, n_in)]) for t in ts]
+                dxs = [b.gep(sa.data, [b.mul(t, n_runs)]) for t in ts]
+                sums = [b.gep(ua.data, [b.mul(t, n_runs)]) for t in ts]
+                accs = [cgutils.alloca_once(b, _V8F) for _ in ts]
+                offs = [cgutils.alloca_once(b, _F32) for _ in ts]
+                for acc, off in zip(accs, offs):
+                    b.store(ir.Constant(_V8F, None), acc)
+                    b.store(ir.Constant(_F32, 0.0), off)
+                with cgutils.for_range(b, n_blocks) as loop:
+                    blk = loop.index
+                    at = b.mul(blk, _c(size))
+                    _prefetch(b, b.gep(row, [b.add(at, _c(PREFETCH))]))
+                    dd = b.load(b.gep(d_row, [blk]))
+                    dm = b.load(b.gep(m_row, [blk])) if k_quant else None
+                    for run in ints_of(b, row, blk, at, dd, dm):
+                        k = b.udiv(run.first, _c(32))  # the run's index among the row's runs of 32 (its x block)
+                        for g in range(group):
+                            p = b.sitofp(_dot32(b, run.q, _bytes(b, xs_[g], run.first, 32), run.signed), _V8F)
+                            sx = b.load(b.gep(dxs[g], [k]))
+                            if isinstance(run.scale, tuple):  # a scale for each 16 values: lanes 0-3, then 4-7
+                                sv = b.shuffle_vector(_splat(b, b.fmul(run.scale[0], sx), 4), _splat(b, b.fmul(run.scale[1], sx), 4), _vec(range(8)))
+                            else:
+                                sv = _splat(b, b.fmul(run.scale, sx), 8)
+                            b.store(_fma(b, p, sv, b.load(accs[g])), accs[g])
+                            if run.offset is not None:
+                                b.store(_fma(b, b.fmul(run.offset, sx), b.load(b.gep(sums[g], [k])), b.load(offs[g])), offs[g])
+                for g, t in enumerate(ts):
+                    b.store(b.fsub(_hsum(b, b.load(accs[g])), b.load(offs[g])), b.gep(oa.data, [b.add(b.mul(t, n_out), r)]))
+
+            T = b.extract_value(xa.shape, 0)
+            full = b.udiv(T, _c(GROUP))
+            with cgutils.for_range(b, full) as loop:
+                tokens(b.mul(loop.index, _c(GROUP)), GROUP)
+            with cgutils.for_range_slice(b, b.mul(full, _c(GROUP)), T, _c(1)) as (t, _):
+                tokens(t, 1)
+            return context.get_dummy_value()
+
+        return types.none(raw, d, dmin, xq, dx, xs, r, out), codegen
+
+    return dots
+
+
+_Q8_0, _Q4_0, _Q5_0, _Q6_K = 2, 3, 4, 7
+_d8, _d40, _d50, _d4k, _d5k, _d6k = (_row_dots_int8(c) for c in (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row(raw, d, dmin, code, xq, dx, xs, r, out):
+    if code == _Q8_0:
+        _d8(raw, d, dmin, xq, dx, xs, r, out)
+    elif code == _Q4_0:
+        _d40(raw, d, dmin, xq, dx, xs, r, out)
+    elif code == _Q5_0:
+        _d50(raw, d, dmin, xq, dx, xs, r, out)
+    elif code == _Q4_K:
+        _d4k(raw, d, dmin, xq, dx, xs, r, out)
+    elif code == _Q5_K:
+        _d5k(raw, d, dmin, xq, dx, xs, r, out)
+    else:
+        _d6k(raw, d, dmin, xq, dx, xs, r, out)
+
+
+@njit(cache=True, nogil=True)
+def quantize_activations(x):  # (T, N) f32 -> xq (T, N) i8, dx (T, N/32) f32, sums (T, N/32) f32
+    """Each token's values rounded to int8 per block of 32: ``x ~ dx * xq``, ``dx = max |x| / 127``
+    (llama.cpp's Q8_0), and each block's sum of xq (exact in float32)."""
+    T, n = x.shape
+    xq = np.empty((T, n), np.int8)
+    dx = np.empty((T, n // 32), np.float32)
+    sums = np.empty((T, n // 32), np.float32)
+    for t in range(T):
+        for k in range(n // 32):
+            top = np.float32(0.0)
+            finite = True
+            for i in range(32 * k, 32 * k + 32):
+                finite = finite and np.isfinite(x[t, i])
+                top = max(top, abs(x[t, i]))
+            step = top / np.float32(127.0) if finite else np.float32(np.nan)  # inf or nan in: nan out, as the float path gives
+            inv = np.float32(1.0) / step if step > 0 else np.float32(0.0)
+            s = 0
+            for i in range(32 * k, 32 * k + 32):
+                v = min(max(np.rint(x[t, i] * inv), -127.0), 127.0)
+                xq[t, i] = np.int8(v)
+                s += np.int32(v)
+            dx[t, k] = step
+            sums[t, k] = s
+    return xq, dx, sums
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _matmul_parallel(raw, d, dmin, code, x, out):
+    xq, dx, sums = quantize_activations(x)
+    for r in prange(raw.shape[0]):
+        _row(raw, d, dmin, code, xq, dx, sums, r, out)
+
+
+def matmul_blocks_int8(raw, d, dmin, code, x, out):  # as quant_simd.matmul_blocks
+    """out[t, r] <- row r's values . x[t] with x rounded to int8 per block of 32 (rows in parallel on numba's threads)."""
+    _check_shapes(raw, d, dmin, code, x, out)
+    _matmul_parallel(raw, d, dmin, code, x, out)

@@ -44,7 +44,7 @@ PROMPT = "The capital of France is"
 BUSY = False  # --busy: another process keeps one core busy through the whole run
 MODEL = None  # the GGUF file every contender reads (None: the default, Gemma 3 270M)
 CORES = sorted(os.sched_getaffinity(0))  # the cores this benchmark may use, before it binds itself to fewer
-NAMES = {"qkv": "qkv, quantized", "qkv-f32": "qkv, float32", "hf": "transformers, float32", "llama.cpp": "llama.cpp"}
+NAMES = {"qkv": "qkv, quantized", "qkv-int8": "qkv, int8 activations", "qkv-f32": "qkv, float32", "hf": "transformers, float32", "llama.cpp": "llama.cpp"}
 
 
 def _status(key: str) -> float:
@@ -105,10 +105,10 @@ class Contender:
 
     def __init__(self, which: str, threads: int):
         self.which, self.path = which, model_path()
-        if which in ("qkv", "qkv-f32"):
+        if which.startswith("qkv"):
             from qkv.models import load_causal_lm
 
-            self.lm = load_causal_lm(self.path, keep_quantized=which == "qkv")
+            self.lm = load_causal_lm(self.path, keep_quantized=which != "qkv-f32")
         elif which == "hf":
             import torch
             from transformers import AutoModelForCausalLM
@@ -131,7 +131,10 @@ class Contender:
 
     def greedy(self, ids, n):
         if self.which.startswith("qkv"):
-            out = self.lm.generate(ids, max_new_tokens=n, stop_at_eos=False)
+            from qkv.models.formats.quants import int8_activations
+
+            with int8_activations(self.which == "qkv-int8"):  # llama.cpp's int8 activations, opt-in
+                out = self.lm.generate(ids, max_new_tokens=n, stop_at_eos=False)
             return out.token_ids, out.timings["decode_s"]
         if self.which == "hf":
             import torch
@@ -271,12 +274,30 @@ def run(threads: int, args, which_all, prompt: list) -> dict:
                 cs[w].prefill(long_ids)
                 res["prefill"][w].append(time.perf_counter() - t0)
             print(f"[{threads} threads] round {r + 1}: " + ", ".join(f"{w} {res['decode'][w][-1]:.1f} tok/s, prefill {res['prefill'][w][-1]:.2f} s" for w in which_all), flush=True)
+        if "qkv-int8" in cs:
+            res["int8"] = int8_error(cs["qkv"].lm, prompt, res["tokens"]["qkv"])
         res["bytes"] = weights_per_token(cs["qkv"].lm)
         res["bytes_f32"] = weights_per_token(cs["qkv-f32"].lm) if "qkv-f32" in cs else None
         res["prompt"], res["long"] = len(prompt), len(long_ids)
         del cs
     res["bandwidth"] = bandwidth(threads)
     return res
+
+
+def int8_error(lm, prompt: list, tokens: list) -> tuple[float, float, int]:
+    """int8 activations' cost: each step's logits with and without them, both fed the float path's greedy
+    tokens -> (largest logit change, largest logit, steps whose most likely token differs)."""
+    from qkv.models.formats.quants import int8_activations
+
+    logits = []
+    for on in (False, True):
+        with int8_activations(on):
+            cache = lm.new_cache()
+            steps = [lm.forward(prompt, cache, logits_to_keep=1).logits[0, -1]]
+            steps += [lm.forward([t], cache).logits[0, -1] for t in tokens[:-1]]
+        logits.append(np.stack(steps))
+    f32, int8 = logits
+    return float(np.abs(int8 - f32).max()), float(np.abs(f32).max()), int((int8.argmax(-1) != f32.argmax(-1)).sum())
 
 
 def table(threads: int, res: dict, args) -> list[str]:
@@ -301,6 +322,9 @@ def table(threads: int, res: dict, args) -> list[str]:
     lines.append("| load, s | " + " | ".join(f"{res['loads'][w]['load_s']:.1f}" for w in which_all) + " |")
     lines.append("| peak resident memory, MiB | " + " | ".join(f"{res['loads'][w]['peak_rss_mib']:.0f}" for w in which_all) + " |")
     lines.append("| greedy tokens equal to qkv float32's | " + " | ".join(same(w) for w in which_all) + " |")
+    if "int8" in res:
+        err, top, flips = res["int8"]
+        lines.append(f"| int8 activations: largest logit change over the {args.new_tokens} steps, fed the same tokens (largest logit {top:.0f}); steps whose top token changes | " + " | ".join(f"{err:.2f}; {flips}" if w == "qkv-int8" else "" for w in which_all) + " |")
     bound = res["bandwidth"] / res["bytes"]
     lines += ["", f"Bandwidth bound: {res['bytes'] / 2**20:.0f} MiB of quantized weights read per token / {res['bandwidth'] / 1e9:.1f} GB/s "
               f"(a 512 MiB float32 matrix-vector product, {threads} thread{'s' if threads > 1 else ''}) = **{bound:.0f} tokens/s**; "
@@ -335,7 +359,7 @@ def main(argv=None) -> int:
     if args.llama:
         return _measure_llama(args)
     prompt = _prompt()
-    which_all = ["qkv", "qkv-f32", "hf"] + (["llama.cpp"] if have_llama_cpp() else [])
+    which_all = ["qkv", "qkv-int8", "qkv-f32", "hf"] + (["llama.cpp"] if have_llama_cpp() else [])
     counts = [int(t) for t in args.threads.split(",")]
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if BUSY else None
     try:
@@ -360,7 +384,7 @@ def _measure_llama(args) -> int:
 
     global MODEL
     counts = [int(t) for t in args.threads.split(",")]
-    which_all = ["qkv", "qkv-f32"] + (["llama.cpp"] if have_llama_cpp() else [])
+    which_all = ["qkv", "qkv-int8", "qkv-f32"] + (["llama.cpp"] if have_llama_cpp() else [])
     shape = ", ".join(f"{k} {v}" for k, v in LLAMA_SHAPE.items())
     lines = [
         "## Decoder: a Llama-family file in Q8_0 and in Q4_K, qkv vs llama.cpp",
@@ -417,9 +441,10 @@ def _measure(args, which_all, counts, prompt) -> int:
     for t in counts:
         lines += table(t, run(t, args, which_all, prompt), args)
     lines += [
-        "qkv's activations stay float32 (llama.cpp quantizes them to 8 bits per block, which moves logits by up to about 0.3): "
-        "that is why its greedy text can part from the float32 models' after some tokens while qkv's quantized path follows "
-        "its float32 twin (`tests/test_quants.py`).",
+        "qkv's activations stay float32 by default (llama.cpp rounds them to 8 bits per block of 32): that is why llama.cpp's "
+        "greedy text can part from the float32 models' after some tokens while qkv's quantized path follows its float32 twin "
+        "(`tests/test_quants.py`). \"qkv, int8 activations\" is the opt-in `--int8-activations` "
+        "(`qkv.models.formats.quants.int8_activations()`): llama.cpp's rounding, the same file, its cost in the last line.",
     ]
     body = "\n".join(lines)
     print(body)

@@ -76,7 +76,24 @@ def instrument(lm):
     return seconds, nbytes
 
 
+def compiled_step(lm, new_tokens: int) -> list[str]:
+    """ms a token of the default decode step (decode_step's compiled layers), and with int8 activations."""
+    from qkv.models.formats.quants import int8_activations
+
+    ids = lm.tokenizer.encode(PROMPTS[0])
+    out = []
+    for int8 in (False, True):
+        with int8_activations(int8):
+            lm.generate(ids, max_new_tokens=8, stop_at_eos=False)
+            out.append(float(np.median([lm.generate(ids, max_new_tokens=new_tokens + 1, stop_at_eos=False).timings["decode_s"] / new_tokens for _ in range(3)])))
+    return out
+
+
 def profile(lm, threads: int, new_tokens: int, seconds, nbytes) -> list[str]:
+    from qkv.models.engines import decode_step
+
+    default, int8 = compiled_step(lm, new_tokens)
+    decode_step.ENABLED = False  # the NumPy path: each part a call the clocks see
     ids = lm.tokenizer.encode(PROMPTS[0])
     lm.generate(ids, max_new_tokens=8, stop_at_eos=False)  # warm-up: compiled kernels, buffers
     runs = []
@@ -102,9 +119,12 @@ def profile(lm, threads: int, new_tokens: int, seconds, nbytes) -> list[str]:
         rate = f"{b / t / 1e9:.1f}" if b else ""
         rows.append(f"| {name} | {t * 1e3:.2f} | {t / per:.0%} | {b / 2**20:.1f} | {rate} | {bound} |" if b else f"| {name} | {t * 1e3:.2f} | {t / per:.0%} | | | |")
     rows.append(f"| the rest: Python between the calls, sampling | {(per - accounted) * 1e3:.2f} | {(per - accounted) / per:.0%} | | | |")
-    head = [f"**{threads} thread{'s' if threads > 1 else ''}**: {steps / total:.1f} tokens/s, {per * 1e3:.1f} ms a token; "
+    decode_step.ENABLED = True
+    head = [f"**{threads} thread{'s' if threads > 1 else ''}**: the default decode step (each layer two compiled calls) "
+            f"takes **{default * 1e3:.1f} ms** a token ({1 / default:.1f} tokens/s), {int8 * 1e3:.1f} ms with int8 activations "
+            f"({1 / int8:.1f} tokens/s). The NumPy path, timed part by part below: {steps / total:.1f} tokens/s, {per * 1e3:.1f} ms a token; "
             f"the bound of its {bytes_all / 2**20:.0f} MiB at {bw / 1e9:.1f} GB/s is {bytes_all / bw * 1e3:.1f} ms ({bw / bytes_all:.0f} tokens/s).", "",
-            "| part | ms a token | share | MiB read | GB/s | bound, ms |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+            "| part (NumPy path) | ms a token | share | MiB read | GB/s | bound, ms |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     return head + rows + [""]
 
 
@@ -135,8 +155,10 @@ def main(argv=None) -> int:
     counts = [int(t) for t in args.threads.split(",")]
     lines = ["## Decode profile: where a token's time goes, and batches", "",
              f"`python benchmarks/profile_decode.py --threads {args.threads}` on {machine()}. Gemma 3 270M Q4_K_M, weights kept in their "
-             f"blocks, greedy, {args.new_tokens} tokens after a 6-token prompt, the median of 3 runs. Each part timed by a clock "
-             "around the decoder's calls; a product's bound is its bytes at the read bandwidth of that many threads.", ""]  # fmt: skip
+             f"blocks, greedy, {args.new_tokens} tokens after a 6-token prompt, the median of 3 runs. The default step runs each layer "
+             "in two compiled calls (`qkv/models/engines/decode_step.py`), which no clock can split; the parts are timed on the NumPy "
+             "path (`decode_step.ENABLED = False`), the same kernels called one by one from Python, each with a clock around it. "
+             "A product's bound is its bytes at the read bandwidth of that many threads.", ""]  # fmt: skip
     batch_rows = []
     for t in counts:
         qkv.set_num_threads(t)

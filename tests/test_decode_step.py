@@ -89,3 +89,19 @@ def test_a_plan_follows_a_layer_given_new_weights(gemma, monkeypatch):
     want = gemma.generate("Hi", max_new_tokens=4, stop_at_eos=False).token_ids
     monkeypatch.setattr(decode_step, "ENABLED", True)
     assert gemma.generate("Hi", max_new_tokens=4, stop_at_eos=False).token_ids == want
+
+
+def test_a_servers_steps_are_the_numpy_paths_floats(gemma, monkeypatch):
+    from qkv.models.serving.pages import PagePool
+    from test_serving import _generate
+
+    cfg = gemma.config
+    prompts = [gemma.tokenizer.encode(t) for t in ("The capital of France is", "1, 2, 3, 4,", "Once upon a time")]
+    runs = []
+    for enabled in (False, True):  # prompts in chunks of 5 beside each other, then one token a sequence a step
+        monkeypatch.setattr(decode_step, "ENABLED", enabled)
+        pool = PagePool(cfg.num_layers, 32, 8, cfg.num_kv_heads, cfg.head_dim)
+        runs.append(_generate(gemma, pool, prompts, chunk=5, steps=5))
+    for a, b in zip(*runs):
+        assert a["toks"] == b["toks"]
+        np.testing.assert_array_equal(np.stack(a["logits"]), np.stack(b["logits"]))

@@ -9,9 +9,10 @@ block as it goes (numba, the ``fast`` extra):
 
 - decoding (one token at a time): each output is ``sum_b d_b * sum_j q_bj x_j``
   over the row's blocks, computed from the integers, in float32 like the
-  activations. The activations stay float32 (llama.cpp quantizes them to int8
-  per block; that moves logits by up to 0.3 on Gemma 3 270M and breaks
-  agreement with transformers, so qkv does not);
+  activations. The activations stay float32 by default (llama.cpp rounds them
+  to int8 per block, which moves logits by a few tenths on Gemma 3 270M and
+  breaks agreement with transformers); :func:`int8_activations` does as
+  llama.cpp, opt-in (:mod:`quant_int8`);
 - many tokens at once (a prompt): tiles of rows are decoded to float32 into a
   reused buffer and multiplied by BLAS.
 

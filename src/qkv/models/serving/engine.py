@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..._compiled import exp_scores_
+from ..engines import decode_step
 from ..formats.quants import row_invariant
 from .pages import PagePool
 
@@ -153,7 +154,26 @@ def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = Tr
                             window=window, scale=cfg.query_scale, softcap=cfg.attn_softcap, sinks=lm.layers[i].sinks, alibi_slopes=lm._alibi)  # fmt: skip
         return o.swapaxes(0, 1)[None], None  # (1, Hq, T, D)
 
+    steps = _compiled_steps(lm, len(batch.tokens))
     with row_invariant() if batch_invariant else contextlib.nullcontext():
-        for i, layer in enumerate(lm.layers):
-            lm._block(i, layer, h, rope_at, attend)
+        if steps is not None:  # a decode step's size: each token a row of decode_step's compiled layer, the same floats
+            rows = h[0].reshape(len(batch.tokens), 1, -1)  # (T, 1, E), a view: h is updated through it
+            rope_rows = lm._rope_at(batch.positions[:, None])  # (T, 1, D/2): a position a row
+
+            def attend_rows(i, q, k, v):  # (T, Hq, 1, D), (T, Hk, 1, D) x 2 -> (T, Hq, 1, D)
+                o, _ = attend(i, q[:, :, 0].swapaxes(0, 1)[None], k[:, :, 0].swapaxes(0, 1)[None], v[:, :, 0].swapaxes(0, 1)[None])
+                return o[0].swapaxes(0, 1)[:, :, None], None
+
+            for i in range(len(lm.layers)):
+                decode_step.block(lm, i, steps[i], rows, rope_rows, attend_rows)
+        else:
+            for i, layer in enumerate(lm.layers):
+                lm._block(i, layer, h, rope_at, attend)
         return lm._head(h[0, batch.logits_for])  # (n, V)
+
+
+def _compiled_steps(lm, tokens: int):
+    """decode_step's plan where it applies to a step of ``tokens`` tokens (few enough), else None."""
+    from ..formats.quants import DIRECT_TOKENS
+
+    return decode_step.plan(lm) if tokens <= DIRECT_TOKENS else None

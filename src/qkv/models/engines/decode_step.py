@@ -196,13 +196,7 @@ def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin
 def _after_attention(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, act, F,
                      down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8):  # (B, Hq D), (B, 1, E) updated in place  # fmt: skip
     B, E = h.shape[0], h.shape[2]
-    y = np.empty((B, 1, E), np.float32)
-    _product(raws, ds, dmins, codes, o, y.reshape(B, E), int8)
-    if post_norm.size:
-        z = np.empty((B, 1, E), np.float32)
-        _rms_norm_rows(y, post_norm, eps, z)
-        y = z
-    h += y
+    _add_product(h, raws, ds, dmins, codes, o, post_norm, eps, int8)  # h += norm(o W_out)
     m = np.empty((B, 1, E), np.float32)
     _rms_norm_rows(h, mlp_norm, eps, m)
     width = 0
@@ -218,10 +212,16 @@ def _after_attention(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws,
     else:
         _activation(u, act)
         g = u
+    _add_product(h, down_raws, down_ds, down_dmins, down_codes, g, post_mlp_norm, eps, int8)  # h += norm(g W_down)
+
+
+@njit(cache=True, nogil=True)
+def _add_product(h, raws, ds, dmins, codes, x, post_norm, eps, int8):  # (B, 1, E) += the product of x (B, in), normed where post_norm
+    B, E = h.shape[0], h.shape[2]
     y = np.empty((B, 1, E), np.float32)
-    _product(down_raws, down_ds, down_dmins, down_codes, g, y.reshape(B, E), int8)
-    if post_mlp_norm.size:
+    _product(raws, ds, dmins, codes, x, y.reshape(B, E), int8)
+    if post_norm.size:
         z = np.empty((B, 1, E), np.float32)
-        _rms_norm_rows(y, post_mlp_norm, eps, z)
+        _rms_norm_rows(y, post_norm, eps, z)
         y = z
     h += y

@@ -91,7 +91,7 @@ class Plan:
         return L.w_qkv is not self.qkv.source or L.w_out is not self.out.source or L.w_up is not self.up.source or L.w_down is not self.down.source
 
 
-def _norm(cfg, weights):  # (weight, bias) or None -> float32 weight, or _NONE; None when not an RMSNorm weight
+def _norm(weights):  # (weight, bias) or None -> float32 weight, or _NONE; None when not an RMSNorm weight
     if weights is None:
         return _NONE
     w, b = weights
@@ -114,7 +114,7 @@ def plan(lm) -> list | None:
         if L.moe is not None or any(b is not None for b in (L.b_qkv, L.b_out, L.b_up, L.b_down)):
             return None
         mats = [_Matrix.of(w) for w in (L.w_qkv, L.w_out, L.w_up, L.w_down)]
-        norms = [_norm(cfg, w) for w in (L.attn_norm, None if L.q_norm is None else (L.q_norm, None), None if L.k_norm is None else (L.k_norm, None), L.post_attn_norm, L.mlp_norm, L.post_mlp_norm)]
+        norms = [_norm(w) for w in (L.attn_norm, None if L.q_norm is None else (L.q_norm, None), None if L.k_norm is None else (L.k_norm, None), L.post_attn_norm, L.mlp_norm, L.post_mlp_norm)]
         if any(m is None for m in mats) or any(n is None for n in norms) or norms[0] is _NONE or norms[4] is _NONE:
             return None
         plans.append(Plan(L, *mats, *norms, act))

@@ -65,6 +65,20 @@ def test_gguf_family_decode_steps_are_the_numpy_paths_floats(family, qtype, torc
     np.testing.assert_array_equal(_steps(lm, prompts, 6, monkeypatch, True), _steps(lm, prompts, 6, monkeypatch, False))
 
 
+def test_every_matrix_of_every_model_reaches_the_compiled_calls_as_one_type(gemma, torch, tmp_path):
+    # numba compiles a call once per argument type (seconds each, on a fresh install): parts of one, two
+    # or three types, mapped or copied, must all look alike to it
+    from numba import typeof
+
+    vocab = gguf_writer.byte_level_vocab()
+    path = tmp_path / "llama.gguf"
+    gguf_writer.write(_model("llama", torch, len(vocab[0]), big=True), path, arch="llama", outtype="Q4_K", vocab=vocab, rng=np.random.default_rng(2))
+    plans = decode_step.plan(gemma) + decode_step.plan(load_causal_lm(path))
+    parts = {len(p.qkv.source.parts) if hasattr(p.qkv.source, "parts") else 1 for p in plans}
+    assert len(parts) > 1  # the models differ in how their matrices are kept
+    assert len({typeof(decode_step._args(m)) for p in plans for m in (p.qkv, p.out, p.up, p.down)}) == 1
+
+
 def test_it_steps_aside_where_it_does_not_apply(gemma, torch, tmp_path, monkeypatch):
     vocab = gguf_writer.byte_level_vocab()
     path = tmp_path / "gpt2.gguf"

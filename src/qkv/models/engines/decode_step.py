@@ -51,6 +51,11 @@ _NONE = np.zeros(0, np.float32)  # an absent norm's weight
 #: Activations by config name -> the kind _compiled's activation takes (ACTIVATIONS' compiled path).
 _ACTIVATIONS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "gelu_fast": 1, "silu": 2, "swish": 2}
 _BLOCK_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")  # what quant_simd multiplies (F16 and BF16 go elsewhere)
+#: Parts a matrix may have (q, k and v kept apart). Every matrix passes exactly this many, empty ones after
+#: its own: numba compiles a call once for each tuple length it sees, and each compile of these calls is seconds.
+_PARTS = 3
+_NO_RAW = quants._read_only(np.zeros((0, 0), np.uint8))  # an absent part: no rows (typed as the others are)
+_NO_SCALES = np.zeros((0, 0), np.float32)
 
 
 @dataclass
@@ -64,9 +69,12 @@ class _Matrix:  # a weight's parts as the compiled calls take them: tuples of (R
     @classmethod
     def of(cls, w):
         parts = w.parts if isinstance(w, quants.StackedMatrix) else [w]
-        if not all(isinstance(p, quants.QuantizedMatrix) and p.qtype in _BLOCK_TYPES for p in parts):
+        if len(parts) > _PARTS or not all(isinstance(p, quants.QuantizedMatrix) and p.qtype in _BLOCK_TYPES for p in parts):
             return None
-        return cls(tuple(p.raw for p in parts), tuple(p.d for p in parts), tuple(p.dmin for p in parts), np.array([quants._CODE[p.qtype] for p in parts], np.int64), w)
+        n = _PARTS - len(parts)
+        codes = [quants._CODE[p.qtype] for p in parts]
+        raws, ds, dmins = [p.raw for p in parts] + [_NO_RAW] * n, [p.d for p in parts] + [_NO_SCALES] * n, [p.dmin for p in parts] + [_NO_SCALES] * n
+        return cls(tuple(raws), tuple(ds), tuple(dmins), np.array(codes + codes[-1:] * n, np.int64), w)
 
 
 @dataclass
@@ -131,7 +139,9 @@ def block(lm, i: int, p: Plan, h: np.ndarray, rope_at, attend) -> None:  # (B, 1
     use_numba_threads()
     cos, sin = rope_at(cfg.rope_bases[i])  # (L, D/2) or (B, 1, L, D/2)
     c4, s4 = cos.reshape((-1, 1) + cos.shape[-2:]), sin.reshape((-1, 1) + sin.shape[-2:])  # as rope_ shapes them
-    int8 = quants.int8_active()  # llama.cpp's int8 activations, where asked for
+    # llama.cpp's int8 activations where asked for. None, not False: numba drops a branch on `is None` when
+    # compiling (not on a bool), so the default step never compiles quant_int8's kernels (14 s of a cold start).
+    int8 = True if quants.int8_active() else None
     q, k, v = _attention_in(h, p.attn_norm, eps, *_args(p.qkv), p.q_norm, p.k_norm, c4, s4, Hq, Hk, D, int8)
     o, _ = attend(i, q, k, v)  # (B, Hq, 1, D)
     F = cfg.intermediate_size if cfg.gated_mlp else 0
@@ -147,22 +157,26 @@ def _args(m: _Matrix):
 
 @njit(cache=True, nogil=True)
 def _part(raw, d, dmin, code, x, out, int8):  # one part, as QuantizedMatrix._direct multiplies it
-    if int8:
-        quant_int8._matmul_parallel(raw, d, dmin, code, x, out)
-    else:
+    if int8 is None:  # decided when compiling (see block)
         quant_simd._matmul_parallel(raw, d, dmin, code, x, out)
+    else:
+        quant_int8._matmul_parallel(raw, d, dmin, code, x, out)
 
 
 @njit(cache=True, nogil=True)
 def _product(raws, ds, dmins, codes, x, out, int8):  # (T, in) f32 -> out (T, sum R_p): each part as quants.matmul multiplies it
-    if len(raws) == 1:
+    if raws[0].shape[0] == out.shape[1]:  # one part (the others empty)
         _part(raws[0], ds[0], dmins[0], codes[0], x, out, int8)
         return
     c0 = 0
     for j in range(len(raws)):
+        if raws[j].shape[0] == 0:
+            continue
         part = np.empty((x.shape[0], raws[j].shape[0]), np.float32)
         _part(raws[j], ds[j], dmins[j], codes[j], x, part, int8)
-        out[:, c0 : c0 + part.shape[1]] = part
+        for t in range(x.shape[0]):  # a loop, not a slice assignment: that compiles numba's shape-mismatch message (5 s)
+            for c in range(part.shape[1]):
+                out[t, c0 + c] = part[t, c]
         c0 += part.shape[1]
 
 

@@ -190,6 +190,19 @@ def _check_finite(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray, qtype: str, 
         raise ModelError(f"{name}: {int(bad.sum()):,} {qtype} {what} are NaN or infinite (the first in row {row}): the file is corrupt")
 
 
+_SERIAL_ROWS = 1024  # rows decoded on the calling thread by QuantizedMatrix.dequantize (more: numba's threads)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """``a``, or a view of it that cannot be written. Blocks are never written, and numba compiles a kernel
+    once for read-only arrays (a mapped file's) and again for writable ones (a copy's): one kind halves
+    the compiling (seconds a kernel, on a fresh install)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 class QuantizedMatrix:
     """A weight matrix of shape (out, in) kept in GGUF blocks: ``x @ W.T`` without a float32 copy of W.
 
@@ -197,7 +210,7 @@ class QuantizedMatrix:
     ----------
     raw : ndarray of uint8, shape (out, row bytes)
         The blocks, row after row, as the file stores them: kept as given when C-contiguous (a view of
-        a mapped file stays one), else copied. Never written.
+        a mapped file stays one), else copied; held read-only.
     qtype : str
         One of :data:`SUPPORTED`.
     shape : (int, int)
@@ -227,7 +240,7 @@ class QuantizedMatrix:
         raw = np.asarray(raw)
         if raw.dtype != np.uint8 or raw.size != out * (n_in // per) * size:
             raise ModelError(f"{name}: {qtype} data of {raw.size} bytes does not hold ({out}, {n_in}) values ({out * (n_in // per) * size} bytes)")
-        self.raw = np.ascontiguousarray(raw.reshape(out, (n_in // per) * size))
+        self.raw = _read_only(np.ascontiguousarray(raw.reshape(out, (n_in // per) * size)))
         self.qtype, self.shape, self.name = qtype, (out, n_in), name
         self.d, self.dmin = _scales(self.raw, qtype)
         _check_finite(self.raw, self.d, self.dmin, qtype, name)
@@ -255,11 +268,13 @@ class QuantizedMatrix:
     def dequantize(self, rows=None, *, kernel: str | None = None) -> np.ndarray:
         """Rows (a slice, an index array, or all) as float32: (n, in)."""
         idx = np.arange(self.shape[0])[rows] if rows is not None else None
-        raw = self.raw if idx is None else self.raw[idx]
+        raw = self.raw if idx is None else _read_only(self.raw[idx])
         if (kernel or _default_kernel()) == "numpy":
             return dequantize_rows(raw, self.qtype, self.shape[1])
         out = np.empty((raw.shape[0], self.shape[1]), np.float32)
-        self._decode(raw, None if idx is None else idx, out)
+        # A few rows (an embedding lookup) on this thread: threads gain nothing there, and the parallel decoder is
+        # a second compile of them all (14 s against 6 on a fresh install) that a short generate then skips.
+        self._decode(raw, None if idx is None else idx, out, parallel=raw.shape[0] > _SERIAL_ROWS)
         return out
 
     def _decode(self, raw, idx, out, parallel: bool = True) -> None:

@@ -271,3 +271,22 @@ def test_a_full_queue_gets_429_and_a_deadline_504():
         assert s.metric("qkv_kv_pages_in_use") == 0
     finally:
         s.stop()
+
+
+def test_int8_activations_serve_what_qkv_generate_gives_with_them():
+    s = Server("--int8-activations", "--embedding-model", "none")
+    try:
+        prompt = "The capital of France is"
+        ref = json.loads(qkv_cli("generate", prompt, "--max-new-tokens", "12", "--json", "--int8-activations"))
+        got = s.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1}, key=None)[1]
+        assert got["choices"][0]["text"] == ref["text"]
+        from qkv.models import load_causal_lm
+
+        lm = load_causal_lm()  # the first token's logprob without int8: the server's is near it, not it
+        logits = lm.forward(np.array([ref["prompt_ids"]])).logits[0, -1].astype(np.float64)
+        exact = logits[ref["token_ids"][0]] - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        first = got["choices"][0]["logprobs"]["token_logprobs"][0]
+        assert 1e-4 < abs(first - exact) < 0.1  # float32 rounding alone moves it by some 1e-6
+        assert any("int8 activations" in line for line in s.log)
+    finally:
+        s.stop()

@@ -159,7 +159,7 @@ def lm():
     return load_causal_lm()
 
 
-def _generate(lm, pool, prompts, chunk, steps, *, together=True):
+def _generate(lm, pool, prompts, chunk, steps, *, together=True, int8=False):
     """Greedy tokens and every step's logits of several prompts, run side by side through forward_step."""
     PS = pool.page_size
     seqs = [{"toks": list(p), "pages": [], "done": 0, "logits": []} for p in prompts]
@@ -181,7 +181,7 @@ def _generate(lm, pool, prompts, chunk, steps, *, together=True):
                 table = np.zeros((len(group), max(len(s["pages"]) for s in group)), np.int64)
                 for b, s in enumerate(group):
                     table[b, : len(s["pages"])] = s["pages"]
-                logits = forward_step(lm, pool, Batch(toks, rows, pos, table, [i for _, i in want], PS))
+                logits = forward_step(lm, pool, Batch(toks, rows, pos, table, [i for _, i in want], PS), int8_activations=int8)
                 for (b, _), lg in zip(want, logits):
                     group[b]["logits"].append(lg.copy())
             for s in group:
@@ -205,6 +205,27 @@ def test_engine_logits_are_the_same_bits_alone_batched_and_in_any_chunk(lm):
             np.testing.assert_array_equal(x, y)
     ref = lm.generate(prompts[0], max_new_tokens=4)  # and the model's own generate, token for token
     assert alone[0]["toks"][len(prompts[0]) :] == ref.token_ids
+
+
+def test_int8_activations_keep_each_answer_the_same_alone_batched_and_in_any_chunk(lm):
+    from qkv.models.formats.quants import int8_activations
+
+    cfg = lm.config
+    pool = PagePool(cfg.num_layers, 64, 8, cfg.num_kv_heads, cfg.head_dim)
+    prompts = [lm.tokenizer.encode(t) for t in ["The capital of France is", "Once upon a time, in a land far away, there lived"]]
+    alone = _generate(lm, pool, prompts, chunk=64, steps=3, together=False, int8=True)
+    together = _generate(lm, pool, prompts, chunk=5, steps=3, int8=True)
+    for a, b in zip(alone, together):
+        assert a["toks"] == b["toks"]
+        for x, y in zip(a["logits"], b["logits"]):
+            np.testing.assert_array_equal(x, y)
+    exact = _generate(lm, pool, prompts[:1], chunk=64, steps=1, together=False)
+    moved = np.abs(alone[0]["logits"][0] - exact[0]["logits"][0]).max()
+    assert 0 < moved < 0.1 * np.abs(exact[0]["logits"][0]).max()  # int8 products really ran, and stayed close
+    with int8_activations():
+        ref = lm.generate(prompts[0], max_new_tokens=3)  # what qkv generate --int8-activations gives
+    assert alone[0]["toks"][len(prompts[0]) :] == ref.token_ids
+    assert pool.pages_in_use == 0
 
 
 def test_scheduler_preempts_and_recomputes_without_changing_an_answer(lm):

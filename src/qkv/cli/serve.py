@@ -37,6 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take before it is stopped (default 600)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     p.add_argument("--batch-variant", action="store_true", help="steps of more than 32 tokens (a prompt's chunk beside others) through BLAS tiles, whose last bits depend on the batch (default: batch-invariant answers)")
+    p.add_argument("--int8-activations", action="store_true", help="round each token's activations to int8 per block of 32 before the quantized products, as llama.cpp does: faster decoding, not exact (answers stay batch-invariant)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that give no seed (default 0)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level (default info)")
     p.set_defaults(func=cmd_serve)
@@ -56,6 +57,11 @@ def cmd_serve(args) -> int:
             raise CLIError(f"--{name.replace('_', '-')} should be >= {0 if name == 'port' else 1}, got {v}")
     if args.port > 65535:
         raise CLIError(f"--port should be <= 65535, got {args.port}")
+    if args.int8_activations:
+        from ..models.formats.quants import kernel_available
+
+        if not kernel_available():
+            raise CLIError("--int8-activations needs the compiled products: pip install 'qkv[fast]'")
     if not args.timeout > 0:
         raise CLIError(f"--timeout should be > 0 seconds, got {args.timeout}")
     if args.kv_tokens < args.context + args.page_size:
@@ -80,10 +86,10 @@ def cmd_serve(args) -> int:
     name = args.model_name or (DECODER_NAME if args.model in (None, DECODER_NAME) else os.path.basename(os.path.normpath(args.model)))
     limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_context=args.context, timeout_s=args.timeout)
     scheduler, app = build(lm, model_name=name, api_key=key, embedder=embedder, embedding_name=embedding_name, kv_tokens=args.kv_tokens, page_size=args.page_size, max_batch=args.max_batch,
-                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, seed=args.seed, limits=limits)  # fmt: skip
+                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, int8_activations=args.int8_activations, seed=args.seed, limits=limits)  # fmt: skip
     scheduler.start()
     where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
-    print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'})", file=sys.stderr, flush=True)
+    print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'}{'; int8 activations' if args.int8_activations else ''})", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:

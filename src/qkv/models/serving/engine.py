@@ -39,6 +39,7 @@ from numba import njit, prange
 
 from ..._compiled import exp_scores_
 from ..engines import decode_step
+from ..formats.quants import int8_activations as int8_activations_in
 from ..formats.quants import row_invariant
 from .pages import PagePool
 
@@ -139,9 +140,13 @@ class Batch:
         self.slots = self.positions % page_size
 
 
-def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = True) -> np.ndarray:  # -> (len(logits_for), V)
+def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = True, int8_activations: bool = False) -> np.ndarray:  # -> (len(logits_for), V)
     """Run ``batch``'s tokens through ``lm`` (a :class:`qkv.models.engines.decoder.CausalLM`), writing
-    their keys and values into ``pool``'s pages; return the logits asked for, float32."""
+    their keys and values into ``pool``'s pages; return the logits asked for, float32.
+
+    ``int8_activations``: the quantized products round each token's activations to int8 first
+    (:func:`qkv.models.formats.quants.int8_activations`): faster, not exact, and still each token's
+    own (batch-invariant answers stay so)."""
     cfg = lm.config
     h = lm._embed_tokens(batch.tokens, batch.positions)[None]  # (1, T, E): CausalLM's blocks are batch first
     rope_at = lm._rope_at(batch.positions)  # each token at its own position
@@ -155,7 +160,8 @@ def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = Tr
         return o.swapaxes(0, 1)[None], None  # (1, Hq, T, D)
 
     steps = _compiled_steps(lm, len(batch.tokens))
-    with row_invariant() if batch_invariant else contextlib.nullcontext():
+    invariant = row_invariant() if batch_invariant else contextlib.nullcontext()
+    with invariant, int8_activations_in() if int8_activations else contextlib.nullcontext():
         if steps is not None:  # a decode step's size: each token a row of decode_step's compiled layer, the same floats
             rows = h[0].reshape(len(batch.tokens), 1, -1)  # (T, 1, E), a view: h is updated through it
             rope_rows = lm._rope_at(batch.positions[:, None])  # (T, 1, D/2): a position a row

@@ -100,17 +100,20 @@ class Scheduler:
         qkv's threads for the engine (``--threads``).
     batch_invariant : bool
         Products summed in an order that does not depend on the batch (the default).
+    int8_activations : bool
+        llama.cpp's int8 activations in the quantized products (``--int8-activations``): faster decoding,
+        not exact; answers stay batch-invariant.
     seed : int
         Seeds the generators of sampled requests that give none.
     """
 
     def __init__(self, lm, *, num_pages: int = 1024, page_size: int = 16, max_batch: int = 16, max_waiting: int = 64, prefill_chunk: int = 128,
-                 threads: int | None = None, batch_invariant: bool = True, seed: int = 0):  # fmt: skip
+                 threads: int | None = None, batch_invariant: bool = True, int8_activations: bool = False, seed: int = 0):  # fmt: skip
         cfg = lm.config
         self.lm = lm
         self.pool = PagePool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.page_size, self.max_batch, self.max_waiting, self.prefill_chunk = page_size, max_batch, max_waiting, prefill_chunk
-        self.threads, self.batch_invariant = threads, batch_invariant
+        self.threads, self.batch_invariant, self.int8_activations = threads, batch_invariant, int8_activations
         self.eos = set(lm.tokenizer.eos_ids if lm.tokenizer is not None else ())
         self._seeds = np.random.SeedSequence(seed)
         self.waiting: deque = deque()
@@ -276,7 +279,7 @@ class Scheduler:
         for b, req in enumerate(order):
             table[b, : len(req.pages)] = req.pages
         batch = Batch(tokens, rows, positions, table, logits_for, self.page_size)
-        logits = forward_step(self.lm, self.pool, batch, batch_invariant=self.batch_invariant)
+        logits = forward_step(self.lm, self.pool, batch, batch_invariant=self.batch_invariant, int8_activations=self.int8_activations)
         for req in order:
             req.computed += req.step_tokens
             req.step_tokens = 0

@@ -705,6 +705,9 @@ def attend_one(q, k, v, keep, window: int, scale: float, softcap: float, sinks) 
     takes its share of the softmax and gives no value."""
     B, Hq, _ = q.shape
     out = np.empty((B, Hq, v.shape[-1]), np.float32)
+    # A cache's keys are a view (its rows, then room to grow): numba compiles a view's loops without vector
+    # code (its strides unknown until run), which made eight rows' attention 8x slower than on a copy.
+    k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     keep = np.zeros((0, 0), np.bool_) if keep is None else keep
     sinks = np.zeros(0, np.float32) if sinks is None else np.asarray(sinks, np.float32)
     parallel = B * Hq * k.shape[2] * k.shape[3] >= ATTEND_ONE_PARALLEL_MIN

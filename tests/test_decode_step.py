@@ -74,8 +74,8 @@ def test_every_matrix_of_every_model_reaches_the_compiled_calls_as_one_type(gemm
     path = tmp_path / "llama.gguf"
     gguf_writer.write(_model("llama", torch, len(vocab[0]), big=True), path, arch="llama", outtype="Q4_K", vocab=vocab, rng=np.random.default_rng(2))
     plans = decode_step.plan(gemma) + decode_step.plan(load_causal_lm(path))
-    parts = {len(p.qkv.source.parts) if hasattr(p.qkv.source, "parts") else 1 for p in plans}
-    assert len(parts) > 1  # the models differ in how their matrices are kept
+    parts = {len(m.source.parts) if hasattr(m.source, "parts") else 1 for p in plans for m in (p.qkv, p.out, p.up, p.down)}
+    assert parts == {1, 2, 3}  # one matrix, gate and up, query key and value
     assert len({typeof(decode_step._args(m)) for p in plans for m in (p.qkv, p.out, p.up, p.down)}) == 1
 
 

@@ -112,13 +112,14 @@ def test_block_products_refuse_shapes_that_do_not_agree():
         quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], np.zeros((64, 2), np.float32).T, ok_out)
 
 
-def test_stacking_joins_one_type_and_keeps_mixed_ones_apart():
+def test_stacking_keeps_quantized_parts_without_copying_them():
     rng = np.random.default_rng(0)
     a = QuantizedMatrix(random_blocks("Q5_0", 8, 64, rng), "Q5_0", (8, 64))
     b = QuantizedMatrix(random_blocks("Q5_0", 4, 64, rng), "Q5_0", (4, 64))
     c = QuantizedMatrix(random_blocks("Q8_0", 4, 64, rng), "Q8_0", (4, 64))
-    joined = stack([a, b])
-    assert isinstance(joined, QuantizedMatrix) and joined.shape == (12, 64)
+    same = stack([a, b])
+    assert isinstance(same, StackedMatrix) and same.shape == (12, 64)
+    assert same.parts[0].raw is a.raw and same.parts[1].raw is b.raw  # the blocks as given (a mapped file's stay mapped)
     mixed = stack([a, b, c])
     assert isinstance(mixed, StackedMatrix) and mixed.shape == (16, 64)
     x = rng.standard_normal((2, 64)).astype(np.float32)

@@ -253,7 +253,7 @@ def main(argv=None) -> int:
 
     gguf = str(default_causal_lm_path())
     results = {}
-    modes = [("qkv (batch-invariant)", []), ("qkv --batch-variant", ["--batch-variant"])]
+    modes = [("qkv (batch-invariant)", []), ("qkv --batch-variant", ["--batch-variant"]), ("qkv --int8-activations", ["--int8-activations"])]
     for name, extra in modes:
         port = free_port()
         p = Proc([sys.executable, "-m", "qkv", "serve", "--port", str(port), "--threads", str(args.threads), "--max-batch", "8", "--log-level", "warning", "--embedding-model", "none", *extra], port)

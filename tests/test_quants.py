@@ -125,6 +125,13 @@ def test_stacking_keeps_quantized_parts_without_copying_them():
     x = rng.standard_normal((2, 64)).astype(np.float32)
     full = np.concatenate([a.dequantize(), b.dequantize(), c.dequantize()])
     np.testing.assert_allclose(mixed.matmul(x), x @ full.T, rtol=1e-5, atol=1e-5)
+    many = rng.standard_normal((3, 20, 64)).astype(np.float32)  # 60 tokens: the tiles, every part's in one run
+    got = mixed.matmul(many)
+    assert got.shape == (3, 20, 16) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.concatenate([p.matmul(many) for p in (a, b, c)], axis=-1))
+    np.testing.assert_allclose(got, many @ full.T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="should end in 64 values"):
+        mixed.matmul(np.zeros((2, 63), np.float32))
     np.testing.assert_array_equal(stack([np.ones((2, 3)), np.zeros((1, 3))]), [[1, 1, 1], [1, 1, 1], [0, 0, 0]])
 
 

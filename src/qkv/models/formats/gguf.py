@@ -232,8 +232,8 @@ class GGUFFile:
         """Unmap the file. Float32 tensors already read are copies; quantized matrices are views of the
         mapping, which then stays until the last of them is gone (a file truncated or rewritten in place
         while a model is loaded is as fatal to qkv as to llama.cpp; a new file renamed over it is not).
-        The pages of matrices no longer held (those a loader joined into one copy: a layer's query, key
-        and value, say) are let go first."""
+        The pages of matrices no longer held (those a loader copied: a Llama file's query and key rows,
+        put back in order) are let go first."""
         for ref, offset, nbytes in self._views:
             if ref() is None:
                 self._drop(offset, nbytes)

@@ -342,11 +342,18 @@ class QuantizedMatrix:
     def _tiled(self, x2: np.ndarray) -> np.ndarray:
         """Many tokens: tiles of rows decoded to float32 and multiplied by BLAS, the tiles shared out by
         qkv's pool (BLAS pinned to one thread a worker, decoders on the worker's thread)."""
-        from ..._parallel import run_all, scratch
+        from ..._parallel import run_all
+
+        out = np.empty((len(x2), self.shape[0]), np.float32)
+        run_all(self._tiles(x2, out, 0))
+        return out
+
+    def _tiles(self, x2: np.ndarray, out: np.ndarray, col: int) -> list:
+        """The tasks of :meth:`_tiled`, writing ``x2 @ W.T`` into ``out[:, col : col + out rows]``."""
+        from ..._parallel import scratch
 
         rows, n_in = self.shape
         T = len(x2)
-        out = np.empty((T, rows), np.float32)
         step = max(1, min(TILE_ROWS, rows))
 
         def tile(r0):
@@ -358,10 +365,9 @@ class QuantizedMatrix:
             # transposed at the end cost a quarter of a 1,000-token prefill, on one thread.
             part = scratch("quant.part", (T, r1 - r0), np.float32)
             np.matmul(x2, buf.T, out=part)
-            out[:, r0:r1] = part
+            out[:, col + r0 : col + r1] = part
 
-        run_all([lambda r0=r0: tile(r0) for r0 in range(0, rows, step)])
-        return out
+        return [lambda r0=r0: tile(r0) for r0 in range(0, rows, step)]
 
 
 class StackedMatrix:
@@ -387,7 +393,25 @@ class StackedMatrix:
         return sum(p.nbytes for p in self.parts)
 
     def matmul(self, x, *, kernel: str | None = None) -> np.ndarray:
-        return np.concatenate([matmul(x, p, kernel=kernel) for p in self.parts], axis=-1)
+        """``x @ W.T``: x (..., in) float32 -> (..., sum of the parts' out) float32, each part as it multiplies alone."""
+        x = np.asarray(x, np.float32)
+        if x.shape[-1] != self.shape[1]:
+            raise ValueError(f"stacked matrix: x should end in {self.shape[1]} values, got shape {x.shape}")
+        x2 = np.ascontiguousarray(x.reshape(-1, self.shape[1]))  # (T, in)
+        tiled = len(x2) > DIRECT_TOKENS and not _invariant_kernels() and (kernel or _default_kernel()) != "numpy"
+        if tiled and all(isinstance(p, QuantizedMatrix) for p in self.parts):
+            # Many tokens: every part's tiles in one run of the pool, into one output (concatenating the
+            # parts' outputs, one run each, made a 1,000-token prefill of Gemma 3 270M 10% slower)
+            from ..._parallel import run_all
+
+            out = np.empty((len(x2), self.shape[0]), np.float32)
+            tasks, col = [], 0
+            for p in self.parts:
+                tasks += p._tiles(x2, out, col)
+                col += p.shape[0]
+            run_all(tasks)
+            return out.reshape(*x.shape[:-1], self.shape[0])
+        return np.concatenate([matmul(x2, p, kernel=kernel) for p in self.parts], axis=-1).reshape(*x.shape[:-1], self.shape[0])
 
     def dequantize(self, rows=None, *, kernel: str | None = None) -> np.ndarray:
         full = np.concatenate([p.dequantize(kernel=kernel) if hasattr(p, "dequantize") else p for p in self.parts])
@@ -398,9 +422,11 @@ def stack(parts):
     """Matrices (out_i, in) as one (sum out_i, in): float32 arrays concatenated, quantized ones kept as
     they are (views of a mapped file stay views) in a :class:`StackedMatrix`.
 
-    Quantized parts of one type used to be joined into one matrix (a copy): that held Gemma 3 270M's
-    query/key and gate/up blocks twice, 37 MiB more resident memory, for no speed a product could
-    measure (decode, a batch of 8 and a 500-token prefill within noise of each other)."""
+    Quantized parts of one type used to be joined into one matrix: a copy (37 MiB of Gemma 3 270M's
+    query/key and gate/up blocks) in this process's own memory, where views leave those pages to the page
+    cache (shared with other processes mapping the file, dropped and read again under memory pressure).
+    The resident total is the same (539 MiB joined, 543 not, after a generate); so is the speed (decode, a
+    batch of 8, a 1,000-token prefill: :meth:`StackedMatrix.matmul` runs all the parts' tiles together)."""
     if all(isinstance(p, np.ndarray) for p in parts):
         return np.concatenate(parts)
     return StackedMatrix(parts)

@@ -136,6 +136,15 @@ def _invariant_kernels() -> bool:
     return True
 
 
+def _route(tokens: int, kernel: str | None) -> str:
+    """Which product a quantized matrix takes for ``tokens`` tokens: "invariant", "numpy", "direct" or "tiled"."""
+    if _invariant_kernels():
+        return "invariant"
+    if (kernel or _default_kernel()) == "numpy":
+        return "numpy"
+    return "direct" if tokens <= DIRECT_TOKENS else "tiled"
+
+
 def kernel_available() -> bool:
     """Whether numba (and SciPy) are there for the compiled products (otherwise: dequantize, then NumPy)."""
     from ...flash import compiled_available
@@ -303,13 +312,14 @@ class QuantizedMatrix:
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, self.shape[1]))  # (T, in)
         T = len(x2)
-        if _invariant_kernels():
+        route = _route(T, kernel)
+        if route == "invariant":
             out = self._invariant(x2)
-        elif (kernel or _default_kernel()) == "numpy":
+        elif route == "numpy":
             if kernel is None and not kernel_available():
                 _say_once_uncompiled()
             out = x2 @ self.dequantize(kernel="numpy").T
-        elif T <= DIRECT_TOKENS:
+        elif route == "direct":
             out = np.empty((T, self.shape[0]), np.float32)
             use_numba_threads()
             self._direct(x2, out)
@@ -398,8 +408,7 @@ class StackedMatrix:
         if x.shape[-1] != self.shape[1]:
             raise ValueError(f"stacked matrix: x should end in {self.shape[1]} values, got shape {x.shape}")
         x2 = np.ascontiguousarray(x.reshape(-1, self.shape[1]))  # (T, in)
-        tiled = len(x2) > DIRECT_TOKENS and not _invariant_kernels() and (kernel or _default_kernel()) != "numpy"
-        if tiled and all(isinstance(p, QuantizedMatrix) for p in self.parts):
+        if _route(len(x2), kernel) == "tiled" and all(isinstance(p, QuantizedMatrix) for p in self.parts):
             # Many tokens: every part's tiles in one run of the pool, into one output (concatenating the
             # parts' outputs, one run each, made a 1,000-token prefill of Gemma 3 270M 10% slower)
             from ..._parallel import run_all

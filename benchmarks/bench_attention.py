@@ -135,6 +135,51 @@ def fmt_bytes(n):
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def _products_alone(q, k, v, causal: bool, threads: int):
+    """A callable that runs only the tiled path's two products over the blocks it visits: each
+    (head, query block) a work item in qkv's pool, its score product (queries with the fold column,
+    K = D + 1) and value product per key block, by numba's ``np.dot`` (SciPy's OpenBLAS, one thread a
+    worker), as ``qkv._compiled.attend_rows`` calls them; causal: the key blocks up to the diagonal,
+    whole. The time a faster block step could not go below."""
+    from numba import njit
+
+    import qkv.flash as flash
+    from qkv._parallel import run_all
+
+    flash.control_blas_of("scipy.linalg.cython_blas")  # the BLAS numba's np.dot calls, pinned like NumPy's (as the tiled path does)
+
+    @njit(nogil=True, cache=False)
+    def item(qx, kx, vx, sbuf, tbuf, i0, i1, bk, causal):
+        for j0 in range(0, (i1 if causal else kx.shape[0]), bk):
+            j1 = min(j0 + bk, kx.shape[0])
+            s = sbuf[: (i1 - i0) * (j1 - j0)].reshape(i1 - i0, j1 - j0)
+            np.dot(qx[i0:i1], kx[j0:j1].T, s)
+            t = tbuf[: (i1 - i0) * vx.shape[1]].reshape(i1 - i0, vx.shape[1])
+            np.dot(s, vx[j0:j1], t)
+
+    H, N, D = q.shape[1:]
+    bq, bk = flash.BLOCK_Q, flash.BLOCK_K
+    qx = np.concatenate([q[0], np.zeros((H, N, 1), q.dtype)], -1)
+    kx = np.concatenate([k[0], np.ones((H, N, 1), k.dtype)], -1)
+    vx = np.ascontiguousarray(v[0])
+    bufs = [(np.empty(bq * bk, q.dtype), np.empty(bq * D, q.dtype)) for _ in range(threads)]
+    item(qx[0], kx[0], vx[0], *bufs[0], 0, min(bq, N), bk, causal)  # compile
+
+    def run():
+        from threading import get_ident
+
+        slots = {}
+
+        def task(h, i0):
+            sb, tb = bufs[slots.setdefault(get_ident(), len(slots)) % threads]
+            item(qx[h], kx[h], vx[h], sb, tb, i0, min(i0 + bq, N), bk, causal)
+
+        # quiet_blas: BLAS on one thread inside each worker, as the tiled path runs its items
+        run_all([lambda h=h, i0=i0: flash.quiet_blas(task, h, i0) for h in range(H) for i0 in range(0, N, bq)], threads)
+
+    return run
+
+
 def parity(args) -> int:
     """qkv tiled (numba) / torch SDPA time at N = 2,048 and 4,096 (float32, full and causal), per thread count,
     the two interleaved round by round (5 rounds, medians)."""
@@ -142,6 +187,7 @@ def parity(args) -> int:
     from threadpoolctl import threadpool_limits
 
     import qkv
+    import qkv.flash as flash
     from qkv import scaled_dot_product_attention as sdpa
 
     counts = [int(t) for t in (args.threads or "1,2").split(",")]
@@ -151,11 +197,15 @@ def parity(args) -> int:
         "",
         f"`python benchmarks/bench_attention.py --parity --threads {','.join(map(str, counts))}` on {machine()}. Batch 1, {H} heads, head dim {D}, "
         f"float32; qkv tiled with its compiled step (`qkv.set_num_threads(n)`, the policy's pool) against `torch.nn.functional.scaled_dot_product_attention` "
-        f"(`torch.set_num_threads(n)`), the two alternated {rounds} rounds, medians; ratio = qkv's time / torch's (at most 1: parity).",
+        f"(`torch.set_num_threads(n)`), the two alternated {rounds} rounds, medians; ratio = qkv's time / torch's (at most 1: parity). "
+        f"Then, after all those rounds, qkv's two products alone (medians of {rounds}): the score and value products of every block the tiled path visits "
+        f"({flash.BLOCK_Q} query rows x {flash.BLOCK_K} keys; causal: the blocks up to the diagonal, whole), by the same BLAS calls in the same pool, and nothing else: "
+        f"the time no faster block step could go below.",
         "",
-        "| threads | N | mask | qkv, ms | torch, ms | ratio |",
-        "|---:|---:|---|---:|---:|---:|",
+        "| threads | N | mask | qkv, ms | torch, ms | ratio | qkv's two products alone, ms | their ratio to torch |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
+    cases = []
     for threads in counts:
         torch.set_num_threads(threads)
         with qkv.set_num_threads(threads), threadpool_limits(threads, "blas"):
@@ -171,9 +221,18 @@ def parity(args) -> int:
                     for _ in range(rounds):
                         t_ours.append(median_time(ours, repeat=1, warmup=0))
                         t_theirs.append(median_time(theirs, repeat=1, warmup=0))
-                    a, b = float(np.median(t_ours)), float(np.median(t_theirs))
-                    lines.append(f"| {threads} | {n} | {'causal' if causal else 'none'} | {a * 1e3:.1f} | {b * 1e3:.1f} | **{a / b:.2f}** |")
-                    print(lines[-1], flush=True)
+                    cases.append((threads, n, causal, float(np.median(t_ours)), float(np.median(t_theirs))))
+                    print(cases[-1], flush=True)
+    # The products alone last, after every qkv and torch round: run between torch's rounds, they
+    # slowed torch's two-thread runs by a third (82 -> 117 ms at N = 2,048), which no qkv run did.
+    for threads, n, causal, a, b in cases:
+        rng = np.random.default_rng(n)
+        q, k, v = (rng.standard_normal((1, H, n, D)).astype(np.float32) for _ in range(3))
+        with qkv.set_num_threads(threads), threadpool_limits(threads, "blas"):
+            products = _products_alone(q, k, v, causal, threads)
+            c = median_time(products, repeat=rounds)
+        lines.append(f"| {threads} | {n} | {'causal' if causal else 'none'} | {a * 1e3:.1f} | {b * 1e3:.1f} | **{a / b:.2f}** | {c * 1e3:.1f} | {c / b:.2f} |")
+        print(lines[-1], flush=True)
     body = "\n".join(lines)
     print(body)
     if not args.no_write:

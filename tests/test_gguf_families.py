@@ -213,3 +213,27 @@ def test_a_tokenizer_read_from_the_cache_needs_no_token_string_decoded(torch, tm
     lm = load_causal_lm(other)
     assert "tokenizer.ggml.tokens" in decoded  # not found in the cache: read and built
     assert first.tokenizer.encode("a", add_bos=False) == [a] and lm.tokenizer.encode("a", add_bos=False) == [b]
+
+
+def test_cached_merges_are_kept_as_strings_only_where_no_piece_holds_a_space():
+    """The cache writes BPE merges as "left right" strings (``tokenizers`` reads Gemma's that way in
+    1.2 s against 1.9 as pairs): read back, the tokenizer encodes as the one it was made from; a merge
+    with a space inside a piece keeps the pair form, which alone can say where the pieces part."""
+    import json
+
+    import tokenizers as tk
+
+    from qkv.models.formats.tokenizer import _merges_as_strings
+
+    vocab = {c: i for i, c in enumerate(["a", "b", "c", "ab", "abc", "ca", "cab"])}
+    merges = [("a", "b"), ("ab", "c"), ("c", "a"), ("c", "ab")]
+    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges))
+    text = _merges_as_strings(tok.to_str())
+    assert json.loads(text)["model"]["merges"] == ["a b", "ab c", "c a", "c ab"]
+    again = tk.Tokenizer.from_str(text)
+    for s in ("abc", "cabab", "cacab", "bca", "abcabcab"):
+        assert again.encode(s).ids == tok.encode(s).ids, s
+
+    spaced = tk.Tokenizer(tk.models.BPE(vocab={"a": 0, "b": 1, " b": 2, "ab": 3, "a b": 4}, merges=[("a", "b"), ("a", " b")]))
+    kept = spaced.to_str()
+    assert _merges_as_strings(kept) == kept

@@ -118,8 +118,9 @@ BPE_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": 
 _END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<EOT>")
 
 
-#: Bumped when the way a tokenizer is built from a GGUF vocabulary changes: older cached ones are not read.
-_CACHE_FORMAT = "qkv-gguf-tokenizer-1"
+#: Bumped when the way a tokenizer is built from a GGUF vocabulary, or kept on disk, changes: older cached
+#: ones are not read (2: BPE merges written as "left right" strings, see _merges_as_strings).
+_CACHE_FORMAT = "qkv-gguf-tokenizer-2"
 
 
 def cache_dir() -> Path:
@@ -158,11 +159,29 @@ def cached_tokenizer(description, build, *, key: str | None = None):
         tok = build()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, lambda f: f.write(tok.to_str().encode("utf-8")))
+            text = _merges_as_strings(tok.to_str())
+            write_atomic(path, lambda f: f.write(text.encode("utf-8")))
         except OSError:
             pass
     _return_freed_heap()
     return tok
+
+
+def _merges_as_strings(text: str) -> str:
+    """A tokenizer's JSON with its BPE merges as ``"left right"`` strings instead of ``["left", "right"]``
+    pairs, where no merged piece holds a space (the string form splits at the space).
+
+    ``tokenizers`` reads both and writes pairs; it reads Gemma's 514,906 merges as strings in 1.35 s
+    against 1.89 as pairs (best of 2, this machine), and every load reads them. With a space in a piece
+    the pairs stay: the string form could not say where the pieces part."""
+    import json
+
+    data = json.loads(text)
+    merges = data.get("model", {}).get("merges")
+    if not merges or not all(isinstance(m, list) and len(m) == 2 and " " not in m[0] and " " not in m[1] for m in merges):
+        return text
+    data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 def _return_freed_heap() -> None:
@@ -252,7 +271,7 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
     )
 
 
-_RAW_FORMAT = b"qkv-gguf-tokenizer-raw-1"
+_RAW_FORMAT = b"qkv-gguf-tokenizer-raw-2"  # as _CACHE_FORMAT
 
 
 def _raw_key(gguf, model: str, gemma: bool, pre, unk) -> str | None:

@@ -223,8 +223,9 @@ def parity(args) -> int:
                         t_theirs.append(median_time(theirs, repeat=1, warmup=0))
                     cases.append((threads, n, causal, float(np.median(t_ours)), float(np.median(t_theirs))))
                     print(cases[-1], flush=True)
-    # The products alone last, after every qkv and torch round: run between torch's rounds, they
-    # slowed torch's two-thread runs by a third (82 -> 117 ms at N = 2,048), which no qkv run did.
+    # The products alone last, after every qkv and torch round, so that the alternation of the two is
+    # the one the earlier tables measured. (Torch's own two-thread time moves between about 80 and 120 ms
+    # at N = 2,048 from one process to the next on the shared test machine, with or without them.)
     for threads, n, causal, a, b in cases:
         rng = np.random.default_rng(n)
         q, k, v = (rng.standard_normal((1, H, n, D)).astype(np.float32) for _ in range(3))

@@ -234,6 +234,8 @@ def _ints_q5_k(b, row, blk, at, d, dmin):  # 176 bytes: as Q4_K, with 32 bytes o
 
 def _ints_q6_k(b, row, blk, at, d, dmin):  # 210 bytes: 128 low nibbles, 64 of 2-bit pairs, 16 int8 scales, f16 d
     runs = []
+    # d * each of the 16 int8 scales, all at once (exact): one vector convert and multiply a super-block
+    scales = b.fmul(_splat(b, d, 16), b.sitofp(_bytes(b, row, b.add(at, _c(192)), 16), ir.VectorType(_F32, 16)))
     for half in range(2):  # 128 values each
         lo_at, hi_at, so = 64 * half, 128 + 32 * half, 192 + 8 * half
         l0 = _bytes(b, row, b.add(at, _c(lo_at)), 32)
@@ -244,9 +246,8 @@ def _ints_q6_k(b, row, blk, at, d, dmin):  # 210 bytes: 128 low nibbles, 64 of 2
             top = b.shl(b.and_(b.lshr(h, _b8(2 * i)), _b8(3)), _b8(4))
             q = b.sub(b.or_(low, top), _b8(32))  # in [-32, 31]
 
-            def scale(p):  # d * the int8 scale of sub-block part p (exact)
-                s = b.sext(b.load(b.gep(row, [b.add(at, _c(so + 2 * i + p))])), _I32)
-                return b.fmul(d, b.sitofp(s, _F32))
+            def scale(p):  # d * the int8 scale of sub-block part p (byte so + 2 i + p)
+                return b.extract_element(scales, _c(so - 192 + 2 * i + p, _I32))
 
             runs.append(_Ints(b.add(b.mul(blk, _c(256)), _c(128 * half + 32 * i)), q, (scale(0), scale(1))))
     return runs

@@ -103,10 +103,6 @@ def _b8(v, n=32):  # a byte constant in every lane
     return ir.Constant(ir.VectorType(_I8, n), v)
 
 
-def _byte(b, base, at):  # one byte -> i32
-    return b.zext(b.load(b.gep(base, [at])), _I32)
-
-
 def _join(b, lo, hi):  # two <16 x T> -> <32 x T>
     return b.shuffle_vector(lo, hi, _vec(range(32)))
 

@@ -8,7 +8,7 @@ import pytest
 
 from qkv.models.engines.text_stream import TextStream
 from qkv.models.formats.quants import SUPPORTED
-from qkv.models.serving.engine import Batch, forward_step, paged_attention
+from qkv.models.serving.engine import Batch, forward_step, log_probabilities, paged_attention
 from qkv.models.serving.pages import OutOfPages, PagePool
 from qkv.models.serving.scheduler import Request, Scheduler
 from test_quants import float32_bound, random_blocks
@@ -120,6 +120,42 @@ def test_paged_attention_equals_torch_over_gathered_keys(torch, window, softcap,
         w = torch.softmax(s, dim=-1)[..., : p + 1]
         ref = (w @ vv)[:, 0].numpy()  # (Hq, D)
         np.testing.assert_allclose(out[t], ref, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------ log-probabilities
+
+
+def test_log_probabilities_equal_torch_in_float64_and_each_row_alone(torch):
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((6, 50_000)) * 4).astype(np.float32)
+    logits[1, [10, 20, 30]] = logits[1].max() + 1  # a three-way tie at the top: lower ids first
+    logits[2, 5:40_000] = -np.inf  # masked-out tokens (probability 0)
+    ks = [1, 0, 3, None, 20, 5]
+    got = log_probabilities(logits, ks)
+    gold = torch.logsumexp(torch.from_numpy(logits).double(), dim=1).numpy()
+    for i, k in enumerate(ks):
+        if k is None:
+            assert got[i] == (None, None)
+            continue
+        log_z, top = got[i]
+        assert isinstance(log_z, float) and abs(log_z - gold[i]) <= 1e-6 * abs(gold[i]), (i, log_z, gold[i])
+        order = np.lexsort((np.arange(logits.shape[1]), -logits[i]))  # descending, ties by id
+        assert top.tolist() == order[:k].tolist()
+        alone = log_probabilities(logits[i : i + 1], [k])[0]  # the same numbers without the other rows
+        assert alone[0] == log_z and alone[1].tolist() == top.tolist()
+    assert got[1][1].tolist() == []
+
+
+def test_log_probabilities_of_a_row_with_nan_or_infinity_are_numpys():
+    rng = np.random.default_rng(8)
+    rows = (rng.standard_normal((3, 1000))).astype(np.float32)
+    rows[0, 3], rows[1, 4], rows[2, 9] = np.nan, np.inf, -np.inf
+    got = log_probabilities(rows, [2, 2, 2])
+    assert np.isnan(got[0][0]) and np.isnan(got[1][0])  # as max/exp/sum give them: no number made up
+    assert got[1][1].tolist()[0] == 4  # +inf is the most likely token
+    ref = float(np.log(np.exp(rows[2].astype(np.float64)).sum()))
+    assert abs(got[2][0] - ref) <= 1e-6 * abs(ref)  # -inf is a token of probability 0, nothing worse
+
 
 
 # ------------------------------------------------------------ row-invariant products

@@ -39,7 +39,7 @@ import numpy as np
 from ...threads import set_num_threads
 from ..engines.sampling import next_token
 from ..engines.text_stream import TextStream
-from .engine import Batch, forward_step
+from .engine import Batch, forward_step, log_probabilities
 from .pages import PagePool
 
 __all__ = ["Request", "Scheduler"]
@@ -289,22 +289,19 @@ class Scheduler:
                 self.pool.publish(req.pages[k], req.tokens[k * self.page_size : (k + 1) * self.page_size], parent=req.pages[k - 1] if k else None)
                 req.published += 1
         now = time.monotonic()
-        for req, lg in zip(want, logits):
-            self._sample(req, lg, now)
+        stats = log_probabilities(logits, [r.top_logprobs for r in want])  # all rows at once, each its own
+        for req, lg, (log_z, top) in zip(want, logits, stats):
+            self._sample(req, lg, now, log_z, top)
         self._recent.append((now, len(want)))
         while self._recent and now - self._recent[0][0] > 10:
             self._recent.popleft()
 
-    def _sample(self, req: Request, logits: np.ndarray, now: float) -> None:
+    def _sample(self, req: Request, logits: np.ndarray, now: float, log_z=None, top=None) -> None:
         tok = next_token(logits, temperature=req.temperature, top_p=req.top_p, rng=req.rng)
         info = {"token": tok}
-        if req.top_logprobs is not None:
-            log_z = _log_sum_exp(logits)
+        if req.top_logprobs is not None:  # log_z and the top ids: engine.log_probabilities
             info["logprob"] = float(logits[tok]) - log_z
-            k = req.top_logprobs
-            if k:  # the k largest, without sorting the whole vocabulary (a full sort cost 25 ms a token)
-                top = np.argpartition(-logits, k - 1)[:k]
-                top = top[np.lexsort((top, -logits[top]))]  # most likely first, ties by id
+            if req.top_logprobs:
                 info["top"] = [(int(t), float(logits[t]) - log_z) for t in top]
         if req.first_token_at is None:
             req.first_token_at = now
@@ -335,10 +332,3 @@ class Scheduler:
                 if rest:
                     req.emit("token", {"token": None, "text": rest})
             self._finish(req, reason)
-
-
-def _log_sum_exp(logits: np.ndarray) -> float:  # (V,) float32 -> log sum exp, as a float64
-    """log(sum(exp(logits))), one row on its own: a log-probability is ``logits[t] - _log_sum_exp(logits)``.
-    The exponentials in float32 (each within a float32 rounding of exp), their sum in float64."""
-    m = logits.max()
-    return float(m) + float(np.log(np.exp(logits - m).sum(dtype=np.float64)))

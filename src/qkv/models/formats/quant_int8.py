@@ -38,7 +38,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _hsum, _prefetch, _splat, _vec, GROUP, PREFETCH
+from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch, _splat, _vec, PREFETCH
 
 __all__ = ["matmul_blocks_int8", "quantize_activations"]
 
@@ -109,12 +109,7 @@ def _row_dots_int8(code: int):
                 for g, t in enumerate(ts):
                     b.store(b.fsub(_hsum(b, b.load(accs[g])), b.load(offs[g])), b.gep(oa.data, [b.add(b.mul(t, n_out), r)]))
 
-            T = b.extract_value(xa.shape, 0)
-            full = b.udiv(T, _c(GROUP))
-            with cgutils.for_range(b, full) as loop:
-                tokens(b.mul(loop.index, _c(GROUP)), GROUP)
-            with cgutils.for_range_slice(b, b.mul(full, _c(GROUP)), T, _c(1)) as (t, _):
-                tokens(t, 1)
+            _groups(b, b.extract_value(xa.shape, 0), tokens)
             return context.get_dummy_value()
 
         return types.none(raw, d, dmin, xq, dx, xs, r, out), codegen

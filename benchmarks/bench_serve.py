@@ -132,6 +132,7 @@ def stream(port, body):
 
 def concurrency(port, levels, tokens):
     body = lambda i: {"prompt": PROMPTS[i], "max_tokens": tokens, "temperature": 0, "logprobs": 1}  # noqa: E731
+    stream(port, {"prompt": "A warm-up request, not timed:", "max_tokens": 8, "temperature": 0, "logprobs": 1})  # a first request may compile or fault in what it needs
     alone, t_alone, ttft_alone, n_alone = [], 0.0, [], 0
     for i in range(len(PROMPTS)):  # one client: each request on its own
         t0 = time.perf_counter()
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
         "## serve",
         "",
         f"`python benchmarks/bench_serve.py --threads {args.threads} --load-seconds {args.load_seconds:g}{' --llama-server PATH' if args.llama_server else ''}` on {machine()}; Gemma 3 270M "
-        f"(the packaged Q4_K_M GGUF), {args.threads} threads, greedy completions of {args.tokens} tokens, one server process at a time. "
+        f"(the packaged Q4_K_M GGUF), {args.threads} threads, greedy completions of {args.tokens} tokens, one server process at a time, each first sent one untimed request. "
         "Tokens/s: all generated tokens over the wall time; TTFT: mean time to first token; invariant: every request's text and "
         "per-token log-probabilities bit for bit what it got alone.",
         "",

@@ -33,7 +33,9 @@ a group of tokens shares the decoding of each block (:data:`GROUP`).
 Each block type gives one function, ``_ints_<type>(builder, row, b, at, d, dmin)``,
 that emits the IR unpacking block ``b`` of a row (its bytes at ``at``) into
 runs of 32 integers and their scales (:class:`_Ints`; :mod:`quant_int8`
-multiplies those by int8 activations); :func:`_runs_of` turns them into runs
+multiplies those by int8 activations); Q4_0, Q5_0 and Q4_K also have a
+``_wide_<type>`` giving the same integers through 32-bit lanes, which the float
+kernels use (:data:`_WIDE`); :func:`_runs_of` turns them into runs
 of 32 float32 values (or, for the K-quants with an offset, a
 :class:`_Factored` run) with the same operations, in the same order, as the
 exact decoders of :mod:`qkv.models.formats.quant_kernels` (``tests/test_quants.py``
@@ -325,7 +327,7 @@ def _runs_of(ints_of):
 
 _INTS = {_Q8_0: (_ints_q8_0, 34), _Q4_0: (_ints_q4_0, 18), _Q5_0: (_ints_q5_0, 22), _Q4_K: (_ints_q4_k, 144), _Q5_K: (_ints_q5_k, 176), _Q6_K: (_ints_q6_k, 210)}
 #: What the float kernels unpack with: the widened forms where they measured faster (Q4_0, Q5_0, Q4_K:
-#: 0.71-0.84x the cycles for one token, L2-resident); Q5_K's and Q6_K's took as long or longer (their
+#: 0.68x, 0.92x, 0.80x the cycles for one token, L2-resident); Q5_K's and Q6_K's took as long or longer (their
 #: high bits cost more shifts in 32-bit lanes than the byte forms' shuffles), and Q8_0's loads widen already.
 _WIDE = {_Q8_0: _ints_q8_0, _Q4_0: _wide_q4_0, _Q5_0: _wide_q5_0, _Q4_K: _wide_q4_k, _Q5_K: _ints_q5_k, _Q6_K: _ints_q6_k}
 _RUNS = {code: (_runs_of(_WIDE[code]), size) for code, (_, size) in _INTS.items()}

@@ -157,7 +157,6 @@ def test_log_probabilities_of_a_row_with_nan_or_infinity_are_numpys():
     assert abs(got[2][0] - ref) <= 1e-6 * abs(ref)  # -inf is a token of probability 0, nothing worse
 
 
-
 # ------------------------------------------------------------ row-invariant products
 
 

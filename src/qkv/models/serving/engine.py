@@ -142,7 +142,8 @@ def _log_probabilities(logits, ks, log_z, top):  # (n, V) f32, (n,) int, -> (n,)
             continue
         row = logits[i]
         m = _max_of_numbers(row)
-        nan = _sum64(row) != _sum64(row)  # a NaN in the row (or both infinities): NumPy's way, below
+        total = _sum64(row)
+        nan = total != total  # a NaN in the row (or both infinities): NumPy's way, below
         e = np.empty(V, np.float32)
         for j in range(V):  # exp(x - max) <= 1: _compiled's polynomial (within 1 ulp), 0 below float32's range
             e[j] = _exp(row[j] - m)

@@ -296,7 +296,7 @@ class Scheduler:
         while self._recent and now - self._recent[0][0] > 10:
             self._recent.popleft()
 
-    def _sample(self, req: Request, logits: np.ndarray, now: float, log_z=None, top=None) -> None:
+    def _sample(self, req: Request, logits: np.ndarray, now: float, log_z, top) -> None:
         tok = next_token(logits, temperature=req.temperature, top_p=req.top_p, rng=req.rng)
         info = {"token": tok}
         if req.top_logprobs is not None:  # log_z and the top ids: engine.log_probabilities

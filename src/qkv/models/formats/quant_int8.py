@@ -38,7 +38,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch, _splat, _vec, PREFETCH
+from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch_block, _splat, _vec
 
 __all__ = ["matmul_blocks_int8", "quantize_activations"]
 
@@ -91,7 +91,7 @@ def _row_dots_int8(code: int):
                 with cgutils.for_range(b, n_blocks) as loop:
                     blk = loop.index
                     at = b.mul(blk, _c(size))
-                    _prefetch(b, b.gep(row, [b.add(at, _c(PREFETCH))]))
+                    _prefetch_block(b, row, at, size)
                     dd = b.load(b.gep(d_row, [blk]))
                     dm = b.load(b.gep(m_row, [blk])) if k_quant else None
                     for run in ints_of(b, row, blk, at, dd, dm):

@@ -124,6 +124,13 @@ def _prefetch(b, p):  # ask for the cache line at p (i8*), for reading, kept in 
     b.call(fn, [p, _c(0, _I32), _c(3, _I32), _c(1, _I32)])
 
 
+def _prefetch_block(b, row, at, size):  # ask for the block's bytes PREFETCH ahead: each of its cache lines
+    # (one prefetch a block, as at first, left a K-quant's 144 to 210 bytes mostly to the hardware prefetcher:
+    # Q4_K decode products 0.84-0.89x the time with all of them on one thread, 0.92x on two)
+    for line in range(0, size, 64):
+        _prefetch(b, b.gep(row, [b.add(at, _c(PREFETCH + line))]))
+
+
 def _hsum(b, v):  # the lanes added in halves (a fixed tree)
     n = v.type.count
     while n > 1:
@@ -363,7 +370,7 @@ def _row_dots(code: int):
                 sums = [b.gep(sa.data, [b.mul(b.add(t0, _c(g)), n_runs)]) for g in range(group)]
                 with cgutils.for_range(b, n_blocks) as loop:
                     blk = loop.index
-                    _prefetch(b, b.gep(row, [b.add(b.mul(blk, _c(size)), _c(PREFETCH))]))
+                    _prefetch_block(b, row, b.mul(blk, _c(size)), size)
                     dd = b.load(b.gep(d_row, [blk]))
                     dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
                     for first, w in runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm):

@@ -71,7 +71,8 @@ LANES = 16
 #: of 4 are one group too (:func:`_groups`).
 GROUP = 4
 
-#: Bytes ahead of the block being decoded that each block asks the memory to start fetching. A big table
+#: Bytes ahead of the block being decoded at which each block asks the memory to start fetching (each of
+#: its cache lines: :func:`_prefetch_block`). A big table
 #: read row after row (Gemma 3 270M's 178 MB Q8_0 output table) ran at 6-8 GB/s a core without it, the
 #: hardware prefetcher alone not keeping enough reads in flight, and at 9-12 GB/s with it (one core's
 #: reads top out near 12 GB/s here: 30.5 -> 23.4 ms on 1 thread, 18.9 -> 14.9 ms on 2, medians of 6 in

@@ -6,6 +6,7 @@ CI installs numba (the [test] extra includes [fast]), so these tests run there.
 """
 
 import itertools
+import re
 import os
 import subprocess
 import sys
@@ -370,3 +371,43 @@ def test_rope_compiled_gives_numpys_bits():
         finally:
             flash.KERNEL = kernel
         assert got.tobytes() == want.tobytes()
+
+
+# ------------------------------------------------------------ numba's cache across modules
+
+
+def test_every_module_with_compiled_code_shares_one_cache_stamp():
+    """numba's cache is valid per module; the decode step holds quant_simd's products, so an edit to
+    quant_simd alone once left the step's old products running beside the new ones (a server's batch
+    then parted from the same request alone in the last bits). Every compiled module's functions carry
+    one stamp, of all of them."""
+    from pathlib import Path
+
+    from qkv import _numba_cache
+    from qkv.models.engines import decode_step
+    from qkv.models.formats import quant_int8, quant_kernels, quant_simd
+    from qkv.models.serving import engine
+
+    root = Path(_numba_cache.__file__).parent
+    with_numba = {str(p.relative_to(root)) for p in root.rglob("*.py") if re.search(r"^(from numba|import numba)", p.read_text(), re.M)}
+    assert with_numba == set(_numba_cache.MODULES)
+    funcs = [_compiled.softmax_rows, quant_kernels._k_scale, quant_simd._matmul_parallel, quant_int8._matmul_parallel, decode_step._product, engine._sum64]
+    stamps = {f.py_func.__qualname__: f._cache._impl._locator.get_source_stamp() for f in funcs}
+    assert set(stamps.values()) == {_numba_cache.stamp()}, stamps
+
+
+def test_the_cache_stamp_changes_with_any_compiled_module(tmp_path, monkeypatch):
+    from qkv import _numba_cache
+
+    for name in _numba_cache.MODULES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"# {name}\n")
+    monkeypatch.setattr(_numba_cache, "_ROOT", tmp_path)
+    seen = set()
+    for name in _numba_cache.MODULES:
+        monkeypatch.setattr(_numba_cache, "_stamp", None)
+        seen.add(_numba_cache.stamp())
+        (tmp_path / name).write_text(f"# {name}, edited\n")
+    monkeypatch.setattr(_numba_cache, "_stamp", None)
+    seen.add(_numba_cache.stamp())
+    assert len(seen) == len(_numba_cache.MODULES) + 1

@@ -39,6 +39,10 @@ from numba import njit, prange, types
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
+from ._numba_cache import install as _install_cache
+
+_install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
+
 __all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "layer_norm_", "rms_norm_", "rope_", "attend_one", "exp_scores_"]
 
 _INF = math.inf

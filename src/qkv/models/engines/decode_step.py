@@ -38,9 +38,13 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from ..._numba_cache import install as _install_cache
+
 from ..._compiled import _activation, _rms_norm_rows, _rope_rows
 from ...threads import use_numba_threads
 from ..formats import quant_int8, quant_simd, quants
+
+_install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
 __all__ = ["ENABLED", "Plan", "plan", "block"]
 

@@ -38,7 +38,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..._numba_cache import install as _install_cache
+
 from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch_block, _splat, _vec
+
+_install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
 __all__ = ["matmul_blocks_int8", "quantize_activations"]
 

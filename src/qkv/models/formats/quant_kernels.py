@@ -19,6 +19,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..._numba_cache import install as _install_cache
+
+_install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
+
 __all__ = ["dequantize_into", "matmul_f32", "dequantize_lut_into", "matmul_lut", "F16_TABLE", "BF16_TABLE"]
 
 #: Every float16 / bfloat16 bit pattern as float32 (exact): a 256 KiB table read by index.

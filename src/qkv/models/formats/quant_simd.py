@@ -56,6 +56,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..._numba_cache import install as _install_cache
+
+_install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
+
 __all__ = ["matmul_blocks", "GROUP"]
 
 _Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 4, 5, 6, 7  # quants._CODE's

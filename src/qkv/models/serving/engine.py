@@ -37,11 +37,15 @@ import contextlib
 import numpy as np
 from numba import njit, prange
 
+from ..._numba_cache import install as _install_cache
+
 from ..._compiled import _exp, exp_scores_
 from ..engines import decode_step
 from ..formats.quants import int8_activations as int8_activations_in
 from ..formats.quants import row_invariant
 from .pages import PagePool
+
+_install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
 __all__ = ["paged_attention", "Batch", "forward_step", "log_probabilities"]
 

@@ -23,14 +23,28 @@ side by side in the same process.
 def machine() -> str:
     import numpy as np
 
-    cpu = platform.processor() or platform.machine()
+    cpu, family, model, flags = platform.processor() or platform.machine(), None, None, set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                cpu = value
+            elif key == "cpu family":
+                family = value
+            elif key == "model":
+                model = value
+            elif key == "flags":
+                flags = set(value.split())
+                break  # (the first processor's lines are enough)
     except OSError:
         pass
+    # A cloud's "AMD EPYC" names several generations; the family and the widest vectors tell them apart
+    # (Zen 3 has AVX2, Zen 4 AVX-512: the kernels, numba's and llama.cpp's, are compiled for what is there).
+    if family is not None:
+        cpu += f" (family {family} model {model})"
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    if simd:
+        cpu += f", {simd}"
     return f"{cpu}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, NumPy {np.__version__}"
 
 

@@ -76,17 +76,17 @@ def test_products_equal_dequantize_then_float32(qtype, kernel, tokens):
 
 @pytest.mark.parametrize("qtype", [q for q in SUPPORTED if q not in ("F16", "BF16")])
 def test_block_products_for_every_token_count_and_the_same_bits_in_any_group(qtype):
-    """The vector block kernels (quant_simd) for 1 to 9 tokens (groups of GROUP and the ones left over),
+    """The vector block kernels (quant_simd) for 1 to 13 tokens (groups of GROUP and the ones left over),
     against the float64 product of gguf's decoded weights; and each token's result is the same bits
     computed alone, whatever its place among the others (its sums are its own)."""
     from qkv.models.formats import quant_simd
     from qkv.models.formats.quants import _CODE
 
     rng = np.random.default_rng(len(qtype))
-    rows, cols = 130, 512
+    rows, cols = 131, 512  # (odd: with AVX-512, rows go two at a time from PAIR_TOKENS tokens, and one is left)
     m = QuantizedMatrix(random_blocks(qtype, rows, cols, rng), qtype, (rows, cols))
     w = dequantize_rows(m.raw, qtype, cols).astype(np.float64)
-    for tokens in range(1, 10):
+    for tokens in range(1, 14):  # groups of 8 (AVX-512) or 4, a group of 4 left, and 1 to 3
         x = rng.standard_normal((tokens, cols)).astype(np.float32)
         out = np.full((tokens, rows), np.nan, np.float32)
         quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[qtype], x, out)
@@ -96,6 +96,54 @@ def test_block_products_for_every_token_count_and_the_same_bits_in_any_group(qty
             alone = np.full((1, rows), np.nan, np.float32)
             quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[qtype], x[t : t + 1].copy(), alone)
             assert alone.tobytes() == out[t].tobytes(), (tokens, t)
+
+
+_OTHER_WIDTH = """
+import sys
+import numpy as np
+from qkv.models.formats import quant_simd
+from qkv.models.formats.quants import _CODE, QuantizedMatrix
+given = np.load(sys.argv[1])
+x, got = given["x"], {}
+for key in given.files:
+    if key.startswith("raw_"):
+        qtype = key[4:]
+        m = QuantizedMatrix(given[key], qtype, (given[key].shape[0], x.shape[1]))
+        for tokens in range(1, len(x) + 1):
+            out = np.zeros((tokens, m.shape[0]), np.float32)
+            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[qtype], x[:tokens], out)
+            got[f"{qtype} {tokens}"] = out
+np.savez(sys.argv[2], width=np.array(quant_simd.GROUP), **got)
+"""
+
+
+def test_block_products_are_the_same_bits_compiled_for_avx2_as_for_this_cpu(tmp_path):
+    """numba compiles the kernels for the CPU it runs on: with AVX-512, groups of 8 tokens and two rows at a
+    time, with AVX2 (NUMBA_CPU_NAME=haswell here, in a child process) groups of 4 and one row. Each sum is
+    made in the same order either way, so a product's bits do not depend on the machine's vector width
+    (on a CPU without AVX-512 both sides are AVX2 and this checks the child against the parent only)."""
+    import os
+    import subprocess
+    import sys
+
+    from qkv.models.formats import quant_simd
+    from qkv.models.formats.quants import _CODE
+
+    rng = np.random.default_rng(7)
+    types = [q for q in SUPPORTED if q not in ("F16", "BF16")]
+    x = rng.standard_normal((13, 512)).astype(np.float32)
+    raws = {f"raw_{q}": random_blocks(q, 33, 512, rng) for q in types}
+    np.savez(tmp_path / "given.npz", x=x, **raws)
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-c", _OTHER_WIDTH, str(tmp_path / "given.npz"), str(tmp_path / "got.npz")], env=env, check=True, timeout=600)
+    got = np.load(tmp_path / "got.npz")
+    assert int(got["width"]) == 4, "the child compiled for AVX2 (groups of 4)"
+    for q in types:
+        m = QuantizedMatrix(raws[f"raw_{q}"], q, (33, 512))
+        for tokens in range(1, 14):
+            out = np.zeros((tokens, 33), np.float32)
+            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[q], x[:tokens], out)
+            assert out.tobytes() == got[f"{q} {tokens}"].tobytes(), (q, tokens, quant_simd.GROUP)
 
 
 def test_block_products_refuse_shapes_that_do_not_agree():

@@ -113,7 +113,7 @@ def _row_dots_int8(code: int):
                 for g, t in enumerate(ts):
                     b.store(b.fsub(_hsum(b, b.load(accs[g])), b.load(offs[g])), b.gep(oa.data, [b.add(b.mul(t, n_out), r)]))
 
-            _groups(b, b.extract_value(xa.shape, 0), tokens)
+            _groups(b, b.extract_value(xa.shape, 0), tokens, 4)  # (groups of 4 measured; 8 not tried)
             return context.get_dummy_value()
 
         return types.none(raw, d, dmin, xq, dx, xs, r, out), codegen

@@ -30,7 +30,8 @@ depends on its row and its own activations only, never on how many tokens
 came with it (a batch of 1 or of 32, a token's place in it). That is what a
 server needs to answer a request the same alone or beside others
 (:func:`qkv.models.formats.quants.row_invariant`), and here it costs nothing:
-a group of tokens shares the decoding of each block (:data:`GROUP`).
+a group of tokens shares the decoding of each block (:data:`GROUP`), and where the CPU
+has AVX-512, two rows share each load of a token's activations (:data:`PAIR_TOKENS`).
 
 Each block type gives one function, ``_ints_<type>(builder, row, b, at, d, dmin)``,
 that emits the IR unpacking block ``b`` of a row (its bytes at ``at``) into
@@ -50,10 +51,10 @@ is one instruction with FMA3 (x86 since 2013, every ARMv8); elsewhere LLVM calls
 from __future__ import annotations
 
 import llvmlite.ir as ir
-from llvmlite.binding import llvm_version_info
+from llvmlite.binding import get_host_cpu_features, llvm_version_info
 import numpy as np
 from numba import njit, prange, types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from ..._numba_cache import install as _install_cache
@@ -69,11 +70,35 @@ _Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 4, 5, 6, 7  # quants._CODE's
 #: Gemma 3 270M's Q5_0 up-projection took 1.25x the time; one token the same).
 LANES = 16
 
-#: Tokens dotted together with one unpacking of each block (measured on Gemma 3 270M's matrices, 1 thread,
-#: 8 tokens: groups of 4 took 0.56-0.8x the time of groups of 2 for Q4_K, Q5_0 and Q6_K, the same for
-#: Q8_0; groups of 8 (more sums than registers) 1.8x for Q8_0). The 1 to 3 tokens left after the groups
-#: of 4 are one group too (:func:`_groups`).
-GROUP = 4
+
+
+def _wide_registers() -> bool:
+    """Whether numba compiles for a CPU with AVX-512: 32 vector registers of 16 floats (AVX2 has 16 of 8)."""
+    if config.CPU_NAME is not None:  # a named target (NUMBA_CPU_NAME, as for a portable cache): its features only
+        return "+avx512f" in (config.CPU_FEATURES or "").split(",")
+    return bool(get_host_cpu_features().get("avx512f"))
+
+
+#: Where the CPU has AVX-512 (:func:`_wide_registers`): a token's LANES sums are one register of 32.
+WIDE = _wide_registers()
+
+#: Tokens dotted together with one unpacking of each block. With AVX2 (16 registers, two a token's sums),
+#: 4: measured on Gemma 3 270M's matrices, 1 thread, 8 tokens, groups of 4 took 0.56-0.8x the time of
+#: groups of 2 for Q4_K, Q5_0 and Q6_K, the same for Q8_0, and groups of 8 (more sums than registers)
+#: 1.8x for Q8_0. With AVX-512 (32 registers, one a token's sums), 8: all 127 matrices of Gemma 3 270M
+#: (246 MB), 8 tokens, took 0.91x the time of groups of 4 on 2 threads, 0.88x on 1 (Zen 4), the same bits.
+#: The tokens left after the groups are one group too, or a group of 4 and one of 1 to 3 (:func:`_groups`).
+GROUP = 8 if WIDE else 4
+
+#: From this many tokens on, rows are dotted two at a time where registers allow it (AVX-512): each
+#: token's activations are loaded once for both rows' sums (2 rows x 8 tokens: 16 registers of sums).
+#: Loads of the activations, not the arithmetic, bound a group of tokens: on Zen 4, 8 tokens through
+#: Gemma 3 270M's Q8_0 output table (262,144 x 640) took 0.65x the time on 1 and 2 threads, 4 tokens
+#: 0.78x; Gemma's 27 Q4_K matrices 0.73x at 8 tokens, 0.82x at 4 (two K-quant rows take groups of 4
+#: tokens: with 8, their sums and offsets spilled, 1.7x the time); with 1 or 2 tokens, two rows were
+#: slower (two streams of bytes for one token's sums). Each (row, token) sum is made by the same
+#: operations in the same order as with one row, so its bits are the same.
+PAIR_TOKENS = 4
 
 #: Bytes ahead of the block being decoded at which each block asks the memory to start fetching (each of
 #: its cache lines: :func:`_prefetch_block`). A big table
@@ -360,62 +385,72 @@ _OFFSETS8 = (_Q4_K,)
 # ------------------------------------------------------------ the kernels
 
 
-def _row_dots(code: int):
-    """An intrinsic ``(raw, d, dmin, x, r, out) -> None``: out[t, r] <- row r . x[t] for every token t,
-    GROUP tokens at a time (one unpacking of each block for them), then the rest one by one."""
+def _row_dots(code: int, rows: int = 1):
+    """An intrinsic ``(raw, d, dmin, x, r, out) -> None``: out[t, r'] <- row r' . x[t] for rows r' = r ..
+    r + rows - 1 and every token t, GROUP tokens at a time (one unpacking of each block for them), then the
+    rest (:func:`_groups`); two rows (:data:`PAIR_TOKENS`) share each load of a token's activations."""
     runs_of, size = _RUNS[code]
 
     @intrinsic
     def dots(typingctx, raw, d, dmin, x, xsum, r, out):
         def codegen(context, b, sig, args):
             ra, da, ma, xa, sa, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 6))
-            r = args[5]
             n_runs = b.extract_value(sa.shape, 1)
             n_blocks, n_in, n_out = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(oa.shape, 1)
-            row = b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))])
-            d_row = b.gep(da.data, [b.mul(r, n_blocks)])
-            m_row = b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))])
+            rs = [b.add(args[5], _c(i)) for i in range(rows)]
+            row_of = [b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))]) for r in rs]
+            d_of = [b.gep(da.data, [b.mul(r, n_blocks)]) for r in rs]
+            m_of = [b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))]) for r in rs]
 
-            def tokens(t0, group):  # tokens t0 .. t0 + group - 1: LANES running sums each, in registers
+            def tokens(t0, group):  # tokens t0 .. t0 + group - 1: LANES running sums each (a row), in registers
                 xs = [b.gep(xa.data, [b.mul(b.add(t0, _c(g)), n_in)]) for g in range(group)]
-                accs = [cgutils.alloca_once(b, _VACC) for _ in range(group)]
-                for acc in accs:
+                accs = [[cgutils.alloca_once(b, _VACC) for _ in range(group)] for _ in rs]  # accs[row][token]
+                for acc in (a for row_accs in accs for a in row_accs):
                     b.store(ir.Constant(_VACC, None), acc)
                 # K-quants: the sum of offset * sum(x) a run (in 8 lanes for _OFFSETS8: a super-block in each)
-                offs = [cgutils.alloca_once(b, _V8F if code in _OFFSETS8 else _F32) for _ in range(group)]
-                for o in offs:
+                offs = [[cgutils.alloca_once(b, _V8F if code in _OFFSETS8 else _F32) for _ in range(group)] for _ in rs]
+                for o in (o for row_offs in offs for o in row_offs):
                     b.store(ir.Constant(_V8F, None) if code in _OFFSETS8 else ir.Constant(_F32, 0.0), o)
                 sums = [b.gep(sa.data, [b.mul(b.add(t0, _c(g)), n_runs)]) for g in range(group)]
                 with cgutils.for_range(b, n_blocks) as loop:
                     blk = loop.index
-                    _prefetch_block(b, row, b.mul(blk, _c(size)), size)
-                    dd = b.load(b.gep(d_row, [blk]))
-                    dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
-                    for first, w in runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm):
-                        if isinstance(w, _Factored):
+                    runs = []  # runs[row]: [(first, w)], each row's block unpacked once for the group
+                    for row, d_row, m_row in zip(row_of, d_of, m_of):
+                        _prefetch_block(b, row, b.mul(blk, _c(size)), size)
+                        dd = b.load(b.gep(d_row, [blk]))
+                        dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
+                        runs.append(runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm))
+                    for j, (first, w) in enumerate(runs[0]):
+                        if isinstance(w, _Factored):  # K-quants: d0 * (q . x) - n0 * sum(x) a run
+                            ws = [rr[j][1] for rr in runs]
                             for g in range(group):
-                                t = None  # q . x, LANES sums
+                                us = [None] * rows  # q . x, LANES sums, a row each
                                 for h in range(32 // LANES):
-                                    qh = b.shuffle_vector(w.q, w.q, _vec(range(h * LANES, (h + 1) * LANES)))
                                     xv = b.load(b.bitcast(b.gep(xs[g], [b.add(first, _c(h * LANES))]), _VACC.as_pointer()), align=4)
-                                    t = b.fmul(qh, xv) if t is None else _fma(b, qh, xv, t)
-                                b.store(_fma(b, _splat(b, w.scale, LANES), t, b.load(accs[g])), accs[g])
-                                if w.offsets is not None:  # the super-block's 8 runs' sums of x, and their offsets
-                                    sx = b.load(b.bitcast(b.gep(sums[g], [w.run]), _V8F.as_pointer()), align=4)
-                                    b.store(_fma(b, w.offsets, sx, b.load(offs[g])), offs[g])
-                                elif w.offset is not None:
-                                    b.store(_fma(b, w.offset, b.load(b.gep(sums[g], [w.run])), b.load(offs[g])), offs[g])
+                                    for i, wi in enumerate(ws):
+                                        qh = b.shuffle_vector(wi.q, wi.q, _vec(range(h * LANES, (h + 1) * LANES)))
+                                        us[i] = b.fmul(qh, xv) if us[i] is None else _fma(b, qh, xv, us[i])
+                                for wi, u, acc, off in zip(ws, us, accs, offs):
+                                    b.store(_fma(b, _splat(b, wi.scale, LANES), u, b.load(acc[g])), acc[g])
+                                    if wi.offsets is not None:  # the super-block's 8 runs' sums of x, and their offsets
+                                        sx = b.load(b.bitcast(b.gep(sums[g], [wi.run]), _V8F.as_pointer()), align=4)
+                                        b.store(_fma(b, wi.offsets, sx, b.load(off[g])), off[g])
+                                    elif wi.offset is not None:
+                                        b.store(_fma(b, wi.offset, b.load(b.gep(sums[g], [wi.run])), b.load(off[g])), off[g])
                             continue
                         for h in range(32 // LANES):  # the run's values h * LANES ..., into the same sums
-                            wh = b.shuffle_vector(w, w, _vec(range(h * LANES, (h + 1) * LANES)))
-                            for g in range(group):
+                            whs = [b.shuffle_vector(rr[j][1], rr[j][1], _vec(range(h * LANES, (h + 1) * LANES))) for rr in runs]
+                            for g in range(group):  # each token's values loaded once for every row
                                 xv = b.load(b.bitcast(b.gep(xs[g], [b.add(first, _c(h * LANES))]), _VACC.as_pointer()), align=4)
-                                b.store(_fma(b, wh, xv, b.load(accs[g])), accs[g])
-                for g in range(group):
-                    off = _hsum(b, b.load(offs[g])) if code in _OFFSETS8 else b.load(offs[g])
-                    b.store(b.fsub(_hsum(b, b.load(accs[g])), off), b.gep(oa.data, [b.add(b.mul(b.add(t0, _c(g)), n_out), r)]))
+                                for wh, acc in zip(whs, accs):
+                                    b.store(_fma(b, wh, xv, b.load(acc[g])), acc[g])
+                for i, r in enumerate(rs):
+                    for g in range(group):
+                        off = _hsum(b, b.load(offs[i][g])) if code in _OFFSETS8 else b.load(offs[i][g])
+                        b.store(b.fsub(_hsum(b, b.load(accs[i][g])), off), b.gep(oa.data, [b.add(b.mul(b.add(t0, _c(g)), n_out), r)]))
 
-            _groups(b, b.extract_value(xa.shape, 0), tokens)
+            # (two rows of a K-quant in groups of 8 tokens spilled: 32 registers of sums and offsets)
+            _groups(b, b.extract_value(xa.shape, 0), tokens, 4 if rows > 1 and code in (_Q4_K, _Q5_K) else GROUP)
             return context.get_dummy_value()
 
         return types.none(raw, d, dmin, x, xsum, r, out), codegen
@@ -423,21 +458,27 @@ def _row_dots(code: int):
     return dots
 
 
-def _groups(b, T, tokens):
-    """Emit ``tokens(t0, size)`` over tokens 0 .. T - 1: groups of GROUP, then the 1 to GROUP - 1 left
-    as one group (each block unpacked once for them too; one at a time, 2 or 3 tokens had cost 2 or 3
-    unpackings: a server's step of 2 requests ran at 1.2-1.4x the tokens/s of one). A token's sums are
-    its own whatever group it is in, so the size of the last one changes no bits."""
-    full = b.udiv(T, _c(GROUP))
+def _groups(b, T, tokens, group):
+    """Emit ``tokens(t0, size)`` over tokens 0 .. T - 1: groups of ``group``, then the tokens left as one
+    group of 1 to 3 (after a group of 4 where ``group`` is 8): each block unpacked once for them too (one
+    at a time, 2 or 3 tokens had cost 2 or 3 unpackings: a server's step of 2 requests ran at 1.2-1.4x the
+    tokens/s of one). A token's sums are its own whatever group it is in, so the sizes change no bits."""
+    full = b.udiv(T, _c(group))
     with cgutils.for_range(b, full) as loop:
-        tokens(b.mul(loop.index, _c(GROUP)), GROUP)
-    first, left = b.mul(full, _c(GROUP)), b.urem(T, _c(GROUP))
-    for size in range(1, GROUP):
+        tokens(b.mul(loop.index, _c(group)), group)
+    first, left = b.mul(full, _c(group)), b.urem(T, _c(group))
+    if group == 8:
+        four = b.icmp_unsigned(">=", left, _c(4))
+        with b.if_then(four):
+            tokens(first, 4)
+        first, left = b.select(four, b.add(first, _c(4)), first), b.urem(left, _c(4))
+    for size in range(1, 4):
         with b.if_then(b.icmp_unsigned("==", left, _c(size))):
             tokens(first, size)
 
 
 _d8, _d40, _d50, _d4k, _d5k, _d6k = (_row_dots(c) for c in (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K))
+_p8, _p40, _p50, _p4k, _p5k, _p6k = (_row_dots(c, 2) for c in (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -456,6 +497,22 @@ def _row(raw, d, dmin, code, x, xsum, r, out):  # row r with every token
         _d6k(raw, d, dmin, x, xsum, r, out)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pair(raw, d, dmin, code, x, xsum, r, out):  # rows r and r + 1 with every token
+    if code == _Q8_0:
+        _p8(raw, d, dmin, x, xsum, r, out)
+    elif code == _Q4_0:
+        _p40(raw, d, dmin, x, xsum, r, out)
+    elif code == _Q5_0:
+        _p50(raw, d, dmin, x, xsum, r, out)
+    elif code == _Q4_K:
+        _p4k(raw, d, dmin, x, xsum, r, out)
+    elif code == _Q5_K:
+        _p5k(raw, d, dmin, x, xsum, r, out)
+    else:
+        _p6k(raw, d, dmin, x, xsum, r, out)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _matmul_parallel(raw, d, dmin, code, x, out):
     T, n = x.shape
@@ -467,8 +524,15 @@ def _matmul_parallel(raw, d, dmin, code, x, out):
             for i in range(32 * j, 32 * j + 32):
                 s += x[t, i]
             xsum[t, j] = s
-    for r in prange(raw.shape[0]):
-        _row(raw, d, dmin, code, x, xsum, r, out)
+    R = raw.shape[0]
+    if WIDE and T >= PAIR_TOKENS:  # two rows at a time (PAIR_TOKENS)
+        for p in prange(R // 2):
+            _pair(raw, d, dmin, code, x, xsum, 2 * p, out)
+        if R % 2:
+            _row(raw, d, dmin, code, x, xsum, R - 1, out)
+    else:
+        for r in prange(R):
+            _row(raw, d, dmin, code, x, xsum, r, out)
 
 
 def matmul_blocks(raw, d, dmin, code, x, out):  # (R, row bytes) u8, (R, nb) f32, (R, nb or 0) f32, int, (T, in) f32, (T, R) f32

@@ -9,7 +9,8 @@ Random valid blocks of each type qkv multiplies (the K-quants' scales small and 
 them; Q8_0, Q4_0 and Q5_0 given such scales too), two measures:
 
 - in cache: 32 rows of 2,048 values, which the L2 cache holds, multiplied 60 times over by a compiled loop
-  over one row's kernel (``quant_simd._row``: no call overhead, one thread), the fastest of 15 rounds:
+  over the rows' kernels (``quant_simd._row``, or ``_pair`` where matmul_blocks takes two rows at a
+  time: no call overhead, one thread), the fastest of 15 rounds:
   the kernels' arithmetic, in nanoseconds a run of 32 values and token;
 - streamed: 40 matrices of 2,048 x 768 (34 to 64 MiB, more than the caches hold) through
   ``matmul_blocks``, one token, the median of 15 rounds: arithmetic and memory together, as a decode
@@ -55,10 +56,17 @@ def _loop():
     from qkv.models.formats import quant_simd
 
     @njit(nogil=True)
-    def loop(raw, d, dmin, code, x, xsum, out, reps):  # every row's kernel, reps times over
+    def loop(raw, d, dmin, code, x, xsum, out, reps):  # every row's kernel, reps times over, as matmul_blocks runs them
+        R = raw.shape[0]
         for _ in range(reps):
-            for r in range(raw.shape[0]):
-                quant_simd._row(raw, d, dmin, code, x, xsum, r, out)
+            if quant_simd.WIDE and x.shape[0] >= quant_simd.PAIR_TOKENS:  # two rows at a time (AVX-512)
+                for p in range(R // 2):
+                    quant_simd._pair(raw, d, dmin, code, x, xsum, 2 * p, out)
+                for r in range(R - R % 2, R):
+                    quant_simd._row(raw, d, dmin, code, x, xsum, r, out)
+            else:
+                for r in range(R):
+                    quant_simd._row(raw, d, dmin, code, x, xsum, r, out)
 
     return loop
 
@@ -129,16 +137,22 @@ def main() -> int:
         gbs = [streamed(qt, n, rng) for n in threads]
         rows.append([qt, f"{bits:.1f}"] + [f"{v:.2f}" for v in ns] + [f"{v:.1f}" for v in gbs])
         print(" | ".join(rows[-1]), flush=True)
+    from qkv.models.formats import quant_simd
+
     body = "\n".join([
         "## Block products: a run of 32 values, by block type and tokens",
         "",
         f"`python benchmarks/bench_kernels.py --tokens {args.tokens} --threads {args.threads}` on {machine()}. "
         "Random valid blocks of each type. In cache: nanoseconds a run of 32 values and token, 32 rows of 2,048 values "
-        "(in the L2 cache) multiplied by a compiled loop over one row's kernel (`quant_simd._row`), one thread, the "
-        "fastest of 15 rounds of 60: the kernels' arithmetic (at about 2.95 GHz, 1 ns is 3 cycles). Streamed: GB/s of "
+        "(in the L2 cache) multiplied by a compiled loop over the rows' kernels (`quant_simd._row`, or `_pair` where "
+        "`matmul_blocks` takes two rows at a time), one thread, the fastest of 15 rounds of 60: the kernels' arithmetic. "
+        "Streamed: GB/s of "
         "blocks read by one token's products over 40 matrices of 2,048 x 768 (`matmul_blocks`), the median of 15 rounds: "
-        "arithmetic and memory together, as a decode step meets them. A group of 4 tokens shares each block's "
-        "unpacking, so a token's time falls from 1 token to 4; the 1 to 3 tokens left after the groups of 4 are one group.",
+        "arithmetic and memory together, as a decode step meets them. "
+        f"A group of {quant_simd.GROUP} tokens shares each block's unpacking "
+        + ("(AVX-512: and from 4 tokens on two rows share each load of a token's activations; two K-quant rows take "
+           "groups of 4)" if quant_simd.WIDE else "(AVX2)")
+        + ", so a token's time falls as tokens are added; the tokens left after the groups are one group.",
         "",
         "| " + " | ".join(head) + " |",
         "|---|" + "---:|" * (len(head) - 1),

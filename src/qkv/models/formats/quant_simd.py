@@ -65,18 +65,22 @@ __all__ = ["matmul_blocks", "GROUP"]
 
 _Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 4, 5, 6, 7  # quants._CODE's
 
-#: Running sums a token (two AVX2 registers): a group of four tokens keeps its sums (8 registers) and a
-#: decoded run of 32 values (4) in the 16 registers. With 32 sums a token the group spilled (8 tokens of
-#: Gemma 3 270M's Q5_0 up-projection took 1.25x the time; one token the same).
+#: Running sums a token (two AVX2 registers, one AVX-512 register): a group of four tokens keeps its sums
+#: (8 registers) and a decoded run of 32 values (4) in AVX2's 16 registers. With 32 sums a token the group
+#: spilled (8 tokens of Gemma 3 270M's Q5_0 up-projection took 1.25x the time; one token the same); with
+#: AVX-512 (Zen 4), 32 sums (two chains of multiply-adds a token) took 1.03x the time for one token's Q5_0
+#: products, 1.07x for Q4_K, 0.96x for the Q8_0 output table, and would change every product's bits.
 LANES = 16
 
 
-
 def _wide_registers() -> bool:
-    """Whether numba compiles for a CPU with AVX-512: 32 vector registers of 16 floats (AVX2 has 16 of 8)."""
-    if config.CPU_NAME is not None:  # a named target (NUMBA_CPU_NAME, as for a portable cache): its features only
-        return "+avx512f" in (config.CPU_FEATURES or "").split(",")
-    return bool(get_host_cpu_features().get("avx512f"))
+    """Whether numba compiles for a CPU with AVX-512: 32 vector registers of 16 floats (AVX2 has 16 of 8).
+
+    The features numba gives LLVM: ``NUMBA_CPU_FEATURES`` where set (as for a portable cache), else the
+    host's. (A CPU named without features gets that CPU's own from LLVM; this reads none there and takes
+    the AVX2 choices, which give the same bits.)"""
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features().flatten()
+    return "+avx512f" in features.split(",")
 
 
 #: Where the CPU has AVX-512 (:func:`_wide_registers`): a token's LANES sums are one register of 32.

@@ -59,7 +59,7 @@ def _loop():
     def loop(raw, d, dmin, code, x, xsum, out, reps):  # every row's kernel, reps times over, as matmul_blocks runs them
         R = raw.shape[0]
         for _ in range(reps):
-            if quant_simd.WIDE and x.shape[0] >= quant_simd.PAIR_TOKENS:  # two rows at a time (AVX-512)
+            if quant_simd.AVX512 and x.shape[0] >= quant_simd.PAIR_TOKENS:  # two rows at a time (AVX-512)
                 for p in range(R // 2):
                     quant_simd._pair(raw, d, dmin, code, x, xsum, 2 * p, out)
                 for r in range(R - R % 2, R):
@@ -151,7 +151,7 @@ def main() -> int:
         "arithmetic and memory together, as a decode step meets them. "
         f"A group of {quant_simd.GROUP} tokens shares each block's unpacking "
         + ("(AVX-512: and from 4 tokens on two rows share each load of a token's activations; two K-quant rows take "
-           "groups of 4)" if quant_simd.WIDE else "(AVX2)")
+           "groups of 4)" if quant_simd.AVX512 else "(AVX2)")
         + ", so a token's time falls as tokens are added; the tokens left after the groups are one group.",
         "",
         "| " + " | ".join(head) + " |",

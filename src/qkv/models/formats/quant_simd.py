@@ -73,7 +73,7 @@ _Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 4, 5, 6, 7  # quants._CODE's
 LANES = 16
 
 
-def _wide_registers() -> bool:
+def _has_avx512() -> bool:
     """Whether numba compiles for a CPU with AVX-512: 32 vector registers of 16 floats (AVX2 has 16 of 8).
 
     The features numba gives LLVM: ``NUMBA_CPU_FEATURES`` where set (as for a portable cache), else the
@@ -83,8 +83,8 @@ def _wide_registers() -> bool:
     return "+avx512f" in features.split(",")
 
 
-#: Where the CPU has AVX-512 (:func:`_wide_registers`): a token's LANES sums are one register of 32.
-WIDE = _wide_registers()
+#: Where the CPU has AVX-512 (:func:`_has_avx512`): a token's LANES sums are one register of 32.
+AVX512 = _has_avx512()
 
 #: Tokens dotted together with one unpacking of each block. With AVX2 (16 registers, two a token's sums),
 #: 4: measured on Gemma 3 270M's matrices, 1 thread, 8 tokens, groups of 4 took 0.56-0.8x the time of
@@ -92,7 +92,7 @@ WIDE = _wide_registers()
 #: 1.8x for Q8_0. With AVX-512 (32 registers, one a token's sums), 8: all 127 matrices of Gemma 3 270M
 #: (246 MB), 8 tokens, took 0.91x the time of groups of 4 on 2 threads, 0.88x on 1 (Zen 4), the same bits.
 #: The tokens left after the groups are one group too, or a group of 4 and one of 1 to 3 (:func:`_groups`).
-GROUP = 8 if WIDE else 4
+GROUP = 8 if AVX512 else 4
 
 #: From this many tokens on, rows are dotted two at a time where registers allow it (AVX-512): each
 #: token's activations are loaded once for both rows' sums (2 rows x 8 tokens: 16 registers of sums).
@@ -392,7 +392,7 @@ _INTS = {_Q8_0: (_ints_q8_0, 34), _Q4_0: (_ints_q4_0, 18), _Q5_0: (_ints_q5_0, 2
 #: What the float kernels unpack with: the widened forms where they measured faster (Q4_0, Q5_0, Q4_K:
 #: 0.68x, 0.92x, 0.80x the cycles for one token, L2-resident; with AVX-512, Q5_0's 16-lane form); Q5_K's and Q6_K's took as long or longer (their
 #: high bits cost more shifts in 32-bit lanes than the byte forms' shuffles), and Q8_0's loads widen already.
-_WIDE = {_Q8_0: _ints_q8_0, _Q4_0: _wide_q4_0, _Q5_0: _wide16_q5_0 if WIDE else _wide_q5_0, _Q4_K: _wide_q4_k, _Q5_K: _ints_q5_k, _Q6_K: _ints_q6_k}
+_WIDE = {_Q8_0: _ints_q8_0, _Q4_0: _wide_q4_0, _Q5_0: _wide16_q5_0 if AVX512 else _wide_q5_0, _Q4_K: _wide_q4_k, _Q5_K: _ints_q5_k, _Q6_K: _ints_q6_k}
 _RUNS = {code: (_runs_of(_WIDE[code]), size) for code, (_, size) in _INTS.items()}
 #: The K-quants whose offsets are summed in 8 lanes, a super-block's 8 in one multiply-add with the sums of x
 #: over its 8 runs (lane k: every super-block's run k), the lanes added in halves at the end; the others
@@ -545,7 +545,7 @@ def _matmul_parallel(raw, d, dmin, code, x, out):
                 s += x[t, i]
             xsum[t, j] = s
     R = raw.shape[0]
-    if WIDE and T >= PAIR_TOKENS:  # two rows at a time (PAIR_TOKENS)
+    if AVX512 and T >= PAIR_TOKENS:  # two rows at a time (PAIR_TOKENS)
         for p in prange(R // 2):
             _pair(raw, d, dmin, code, x, xsum, 2 * p, out)
         if R % 2:

@@ -31,7 +31,6 @@ Letters: T tokens, R rows, N values a row.
 
 from __future__ import annotations
 
-import llvmlite.binding as llb
 import llvmlite.ir as ir
 import numpy as np
 from numba import njit, prange, types
@@ -40,15 +39,14 @@ from numba.extending import intrinsic
 
 from ..._numba_cache import install as _install_cache
 
-from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch_block, _splat, _vec
+from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch_block, _splat, _target_has, _V8F, _V8I, _vec
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
 __all__ = ["matmul_blocks_int8", "quantize_activations"]
 
-_V8F, _V8I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
 #: vpmaddubsw and vpmaddwd where the machine has AVX2; elsewhere the same integers by plain vector code.
-AVX2 = "+avx2" in llb.get_host_cpu_features().flatten().split(",")
+AVX2 = _target_has("avx2")  # (what numba compiles for: its intrinsics must exist there)
 
 
 def _dot32(b, q, xq, signed: bool):  # <32 x i8> q, <32 x i8> xq -> <8 x i32>: lane k = sum of products 4k .. 4k + 3 (exact)

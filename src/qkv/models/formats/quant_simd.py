@@ -73,18 +73,19 @@ _Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 4, 5, 6, 7  # quants._CODE's
 LANES = 16
 
 
-def _has_avx512() -> bool:
-    """Whether numba compiles for a CPU with AVX-512: 32 vector registers of 16 floats (AVX2 has 16 of 8).
+def _target_has(feature: str) -> bool:
+    """Whether numba compiles for a CPU with ``feature`` (LLVM's name: "avx2", "avx512f").
 
-    The features numba gives LLVM: ``NUMBA_CPU_FEATURES`` where set (as for a portable cache), else the
-    host's. (A CPU named without features gets that CPU's own from LLVM; this reads none there and takes
-    the AVX2 choices, which give the same bits.)"""
+    Read from the features numba gives LLVM: ``NUMBA_CPU_FEATURES`` where set (as for a portable cache),
+    else the host's. (A CPU named without features gets that CPU's own from LLVM; this reads none there,
+    and the kernels take their plainer choices, which give the same bits.)"""
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features().flatten()
-    return "+avx512f" in features.split(",")
+    return f"+{feature}" in features.split(",")
 
 
-#: Where the CPU has AVX-512 (:func:`_has_avx512`): a token's LANES sums are one register of 32.
-AVX512 = _has_avx512()
+#: Where the CPU has AVX-512: 32 vector registers of 16 floats (AVX2 has 16 of 8), a token's LANES sums
+#: one register of 32.
+AVX512 = _target_has("avx512f")
 
 #: Tokens dotted together with one unpacking of each block. With AVX2 (16 registers, two a token's sums),
 #: 4: measured on Gemma 3 270M's matrices, 1 thread, 8 tokens, groups of 4 took 0.56-0.8x the time of

@@ -338,21 +338,74 @@ def test_attend_one_equals_torch(torch, window, softcap, with_sinks, masked):
         assert (got[2] == 0).all()
 
 
-def test_rms_norm_compiled_equals_torch_on_strided_rows(torch):
+@pytest.mark.parametrize("D", [16, 100, 256])
+def test_rms_norm_compiled_equals_torch_on_strided_rows(torch, D):
     """The compiled RMSNorm on the query slice of a fused q/k/v product (strided rows) and on contiguous
-    rows, against torch's rms_norm; and a row's bits do not depend on the rows beside it."""
+    rows, against torch's rms_norm; and a row's bits do not depend on the rows beside it (rows long
+    enough for the sum's vector loop and its tail)."""
     from qkv.models.engines.functional import rms_norm
 
     rng = np.random.default_rng(0)
-    fused = rng.standard_normal((2, 5, 6 * 16)).astype(np.float32) * 3
-    w = rng.standard_normal(16).astype(np.float32)
-    q = fused[..., : 4 * 16].reshape(2, 5, 4, 16)  # (B, L, H, D), rows strided
+    fused = rng.standard_normal((2, 5, 6 * D)).astype(np.float32) * 3
+    w = rng.standard_normal(D).astype(np.float32)
+    q = fused[..., : 4 * D].reshape(2, 5, 4, D)  # (B, L, H, D), rows strided
     got = rms_norm(q, w, 1e-6)
-    want = torch.nn.functional.rms_norm(torch.from_numpy(q.copy()).double(), (16,), torch.from_numpy(w).double(), eps=1e-6).numpy()
+    want = torch.nn.functional.rms_norm(torch.from_numpy(q.copy()).double(), (D,), torch.from_numpy(w).double(), eps=1e-6).numpy()
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
     alone = rms_norm(np.ascontiguousarray(q[1, 3:4]), w, 1e-6)  # one token, contiguous
     assert alone.tobytes() == got[1, 3:4].tobytes()
+    inplace = q[1, 3:4].copy()
+    _compiled._rms_norm_rows(inplace.reshape(1, 4, D), w, np.float32(1e-6), inplace.reshape(1, 4, D))  # as the decode step calls it
+    assert inplace.tobytes() == got[1, 3:4].tobytes()
+
+
+def test_compiled_row_loops_refuse_rows_whose_values_are_not_adjacent():
+    """The row loops read each row as contiguous memory; a row with a step between its values is
+    refused with a ValueError (never read as if adjacent), and RoPE's wrapper sends it to NumPy."""
+    from qkv.rope import apply_rope, rope_angles
+
+    x = np.ones((1, 2, 16), np.float32)
+    with pytest.raises(ValueError, match="one after another"):
+        _compiled._rms_norm_rows(x[..., ::2], np.ones(8, np.float32), np.float32(1e-6), np.empty((1, 2, 8), np.float32))
+    y = np.random.default_rng(2).standard_normal((1, 2, 3, 16)).astype(np.float32)
+    angles = rope_angles(np.arange(3), 8, 10000.0)
+    got = apply_rope(y[..., ::2], angles=angles)
+    kernel, flash.KERNEL = flash.KERNEL, "numpy"
+    try:
+        want = apply_rope(y[..., ::2], angles=angles)
+    finally:
+        flash.KERNEL = kernel
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_pytorch_tanh", "silu"])
+def test_gated_activation_equals_torch_and_each_row_is_its_own(torch, name):
+    """A gated MLP's act(gate) * up in one compiled pass (a layer's fused gate/up product, rows long enough
+    for the vector loop and its tail): torch's activation times the up half, in float64, within float32
+    rounding; the bits of the compiled activation on the gate alone, times up; a row's bits alone as in
+    the batch; and the NumPy route's values."""
+    from qkv.models.engines.functional import ACTIVATIONS, gated_activation
+
+    F = 100
+    rng = np.random.default_rng(3)
+    u = (rng.standard_normal((3, 5, 2 * F)) * 3).astype(np.float32)
+    got = gated_activation(u, F, name, [np.empty((3, 5, F), np.float32) for _ in range(3)])
+    assert got.dtype == np.float32 and got.shape == (3, 5, F) and got.flags.c_contiguous
+    t = torch.from_numpy(u).double()
+    act = {"gelu": lambda x: torch.nn.functional.gelu(x), "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "silu": torch.nn.functional.silu}[name]
+    want = (act(t[..., :F]) * t[..., F:]).numpy()
+    np.testing.assert_allclose(got, want, rtol=3e-6, atol=3e-6 * np.abs(want).max())
+    gate = ACTIVATIONS[name](u[..., :F].copy(), [np.empty((3, 5, F), np.float32) for _ in range(3)])
+    assert got.tobytes() == (gate * u[..., F:]).tobytes()
+    alone = gated_activation(u[1, 2:3].copy(), F, name, [])
+    assert alone.tobytes() == got[1, 2:3].tobytes()
+    kernel, flash.KERNEL = flash.KERNEL, "numpy"
+    try:
+        numpy_route = gated_activation(u.copy(), F, name, [np.empty((3, 5, F), np.float32) for _ in range(3)])
+    finally:
+        flash.KERNEL = kernel
+    np.testing.assert_allclose(numpy_route, got, rtol=3e-6, atol=3e-6 * np.abs(want).max())
 
 
 def test_rope_compiled_gives_numpys_bits():
@@ -362,6 +415,7 @@ def test_rope_compiled_gives_numpys_bits():
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
+    x = np.swapaxes(np.swapaxes(x, 1, 2).copy(), 1, 2)  # (B, H, L, D) from (B, L, H, D): rows strided, as a layer's
     for positions in (np.arange(4, 9), np.array([[4, 5, 6, 7, 8], [0, 0, 1, 2, 3]])[:, None, :]):
         angles = rope_angles(positions, 8, 10000.0)
         got = apply_rope(x, angles=angles)

@@ -37,13 +37,16 @@ import math
 import numpy as np
 from numba import njit, prange, types
 from llvmlite import ir
+from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
+from numba.np.arrayobj import populate_array
 
 from ._numba_cache import install as _install_cache
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
-__all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "layer_norm_", "rms_norm_", "rope_", "attend_one", "exp_scores_"]
+__all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "gated_", "layer_norm_", "rms_norm_", "rope_", "attend_one", "exp_scores_"]
 
 _INF = math.inf
 
@@ -453,20 +456,12 @@ def _exp(x):  # x <= 0 (or any x in the supported range) -> exp(x): the step's p
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")  # numpy: no zero-division check, so the loop vectorises
-def _activation(x2, kind):  # x2 (R, N) in place, rows may be strided: 0 exact GELU, 1 tanh GELU, 2 SiLU
-    # Each row goes through a contiguous copy: the rows of an array numba types as strided (the gate
-    # half of a gated MLP's product) are strided too, and it compiles the formula for them without
-    # vector code (6.5x slower: 20 ms a layer of a 1,000-token Gemma prefill). Loops, not slices:
-    # a slice assignment compiles numba's shape-mismatch message.
-    R, N = x2.shape
-    buf = np.empty(N, x2.dtype)
-    for r in range(R):  # a row at a time: each value takes the same path (vector body or tail) in any batch
-        row = x2[r]
-        for j in range(N):
-            buf[j] = row[j]
-        _activation_row(buf, kind)
-        for j in range(N):
-            row[j] = buf[j]
+def _activation(x2, kind):  # x2 (R, N) in place, rows contiguous (the gate half of a gated MLP's product: strided between rows): 0 exact GELU, 1 tanh GELU, 2 SiLU
+    # Each row read as contiguous (_unit): numba types the rows of an array it types as strided as
+    # strided too, and compiles the formula for them without vector code (6.5x slower: 20 ms a layer
+    # of a 1,000-token Gemma prefill).
+    for r in range(x2.shape[0]):  # a row at a time: each value takes the same path (vector body or tail) in any batch
+        _activation_row(_unit(x2[r]), kind)
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", inline="always")
@@ -492,6 +487,33 @@ def _activation_row(x, kind):  # x (N,) contiguous, in place
             e = _exp(-w)
             sig = one / (one + e)
             x[j] = v * (sig if v >= zero else e * sig)  # NaN: NaN times a finite factor
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
+def _gated(u, F, kind, out):  # (R, 2F) rows contiguous, int, int, (R, F) -> out <- act(u[:, :F]) * u[:, F:]
+    """A gated MLP's hidden values in one pass over each row, into a contiguous array: the activation of
+    the gate half (the same loop as :func:`_activation`'s), then times the up half. The activation in
+    place on the strided gate half, the product, then a contiguous copy for the down product were three
+    passes over a (tokens, F) array (2.4 ms a layer of a 1,000-token Gemma 3 prefill for the copy alone)."""
+    for r in range(u.shape[0]):
+        row, o = _unit(u[r]), _unit(out[r])
+        for j in range(F):
+            o[j] = row[j]
+        _activation_row(o, kind)
+        for j in range(F):
+            o[j] = o[j] * row[F + j]
+
+
+def gated_(u: np.ndarray, F: int, kind: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``act(u[..., :F]) * u[..., F:]`` for float32/float64 ``u`` (..., 2F) in contiguous rows, into
+    ``out`` (contiguous (..., F), u's dtype) or a new array. ``kind`` as :func:`activation_`'s."""
+    rows = u.view()
+    rows.shape = (-1, u.shape[-1])
+    shape = u.shape[:-1] + (F,)
+    if out is None or out.shape != shape or out.dtype != u.dtype or not out.flags.c_contiguous:
+        out = np.empty(shape, u.dtype)
+    _gated(rows, F, kind, out.reshape(-1, F))
+    return out
 
 
 def activation_(x: np.ndarray, kind: int) -> np.ndarray:
@@ -602,20 +624,53 @@ def layer_norm_(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float,
 # (what the server's batch invariance needs: a token's bits never depend on what came with it).
 
 
-# No reassoc: numba compiles contiguous and strided rows apart (one token's q is contiguous, several
-# tokens' are not), and a sum in SIMD lanes in one and in order in the other gave a token other bits
-# alone than beside others (tests/test_serving.py). In order, for every layout.
+@intrinsic
+def _contiguous_view(typingctx, row):
+    """A 1-D array whose values lie one after another, typed as contiguous (the same memory): numba
+    types a row of a strided array as strided whatever its step, and its loops over such a row load
+    and store one value at a time. Only through :func:`_unit`, which checks the step."""
+    if not isinstance(row, types.Array) or row.ndim != 1:
+        return None
+    ret = row.copy(layout="C")
+
+    def codegen(context, builder, signature, args):
+        src = context.make_array(signature.args[0])(context, builder, args[0])
+        dst = context.make_array(ret)(context, builder)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(row.dtype)))
+        populate_array(dst, data=src.data, shape=src.shape, strides=cgutils.pack_array(builder, [itemsize]), itemsize=src.itemsize, meminfo=src.meminfo, parent=src.parent)
+        return impl_ret_borrowed(context, builder, ret, dst._getvalue())
+
+    return ret(row), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _unit(row):  # (E,) whose step is one value -> the same memory, typed contiguous
+    if row.shape[0] > 1 and row.strides[0] != row.itemsize:
+        raise ValueError("a row's values should lie one after another")
+    return _contiguous_view(row)
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})  # reassoc: the sum in SIMD lanes
+def _sum_squares(buf):  # (E,) contiguous -> sum of squares, in the compute dtype
+    ss = buf.dtype.type(0)
+    for j in range(buf.shape[0]):
+        ss += buf[j] * buf[j]
+    return ss
+
+
+# Each row is read as contiguous (:func:`_unit`): numba compiles contiguous and strided arrays apart (one
+# token's q is contiguous, several tokens' are not), and a sum in SIMD lanes over a row typed strided,
+# compiled without vector code, gave a token other bits alone than beside others (tests/test_serving.py);
+# summed in order instead (every layout alike), a row's sum was one chain of dependent additions, four
+# cycles each: 0.87 ns a value, 91 ms of a 1,000-token Gemma 3 prefill.
 @njit(cache=True, nogil=True, error_model="numpy")
-def _rms_norm_rows(x, weight, eps, out):  # (M, H, E) rows may be strided, (E,), float, (M, H, E) contiguous
+def _rms_norm_rows(x, weight, eps, out):  # (M, H, E) rows contiguous, the rest may be strided, (E,), float, (M, H, E) (may be x)
     e = x.shape[2]
     dt = x.dtype.type
     for m in range(x.shape[0]):
         for h in range(x.shape[1]):
-            row, o = x[m, h], out[m, h]
-            ss = dt(0)
-            for j in range(e):
-                ss += row[j] * row[j]
-            inv = dt(1) / np.sqrt(ss * dt(1.0 / e) + dt(eps))
+            row, o = _unit(x[m, h]), _unit(out[m, h])
+            inv = dt(1) / np.sqrt(_sum_squares(row) * dt(1.0 / e) + dt(eps))
             for j in range(e):
                 o[j] = row[j] * inv * weight[j]
 
@@ -630,13 +685,13 @@ def rms_norm_(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)  # no fastmath: x1 cos - x2 sin rounded as NumPy rounds it (the same bits)
-def _rope_rows(x, cos, sin, out):  # (N, H, L, D) rows may be strided, (N or 1, 1, L, D/2) x 2, (N, H, L, D)
+def _rope_rows(x, cos, sin, out):  # (N, H, L, D) rows contiguous (the rest may be strided: read as such by _unit), (N or 1, 1, L, D/2) x 2, (N, H, L, D)
     half = x.shape[3] // 2
     for n in range(x.shape[0]):
         a = n if cos.shape[0] > 1 else 0
         for h in range(x.shape[1]):
             for i in range(x.shape[2]):
-                row, o, c, s = x[n, h, i], out[n, h, i], cos[a, 0, i], sin[a, 0, i]
+                row, o, c, s = _unit(x[n, h, i]), _unit(out[n, h, i]), _unit(cos[a, 0, i]), _unit(sin[a, 0, i])
                 for j in range(half):
                     o[j] = row[j] * c[j] - row[half + j] * s[j]
                     o[half + j] = row[half + j] * c[j] + row[j] * s[j]
@@ -646,6 +701,8 @@ def rope_(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
     """``apply_rope(x, angles=(cos, sin))`` (rotate-half) for float32/float64 x (..., H, L, D) and angles
     (L, D/2) or (..., 1, L, D/2) in x's dtype: the same bits as NumPy's; None where the shapes do not fit."""
     if x.ndim < 3 or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return None
+    if any(a.shape[-1] > 1 and a.strides[-1] != a.itemsize for a in (x, cos, sin)):  # the loop reads rows as contiguous
         return None
     x4 = x.reshape((-1,) + x.shape[-3:])
     n = x4.shape[0]

@@ -40,9 +40,10 @@ from numba import njit
 
 from ..._numba_cache import install as _install_cache
 
-from ..._compiled import _activation, _rms_norm_rows, _rope_rows
+from ..._compiled import _activation, _gated, _rms_norm_rows, _rope_rows
 from ...threads import use_numba_threads
 from ..formats import quant_int8, quant_simd, quants
+from .functional import COMPILED_KINDS
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
@@ -53,7 +54,7 @@ ENABLED = True
 
 _NONE = np.zeros(0, np.float32)  # an absent norm's weight
 #: Activations by config name -> the kind _compiled's activation takes (ACTIVATIONS' compiled path).
-_ACTIVATIONS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "gelu_fast": 1, "silu": 2, "swish": 2}
+_ACTIVATIONS = COMPILED_KINDS
 _BLOCK_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")  # what quant_simd multiplies (F16 and BF16 go elsewhere)
 #: Parts a matrix may have (q, k and v kept apart). Every matrix passes exactly this many, empty ones after
 #: its own: numba compiles a call once for each tuple length it sees, and each compile of these calls is seconds.
@@ -222,11 +223,9 @@ def _after_attention(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws,
         width += up_raws[j].shape[0]
     u = np.empty((B, width), np.float32)
     _product(up_raws, up_ds, up_dmins, up_codes, m.reshape(B, E), u, int8)
-    if F:  # gated: act(gate) * up, as _block (the same compiled activation, then NumPy's product)
-        g = u[:, :F]
-        _activation(g, act)
-        g *= u[:, F:]
-        g = np.ascontiguousarray(g)
+    if F:  # gated: act(gate) * up, as _block (gated_activation: the same compiled pass)
+        g = np.empty((B, F), np.float32)
+        _gated(u, F, act, g)
     else:
         _activation(u, act)
         g = u

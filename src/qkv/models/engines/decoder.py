@@ -41,7 +41,7 @@ from ...mods import alibi_slopes
 from ...rope import apply_rope, rope_angles
 from ..errors import ModelError
 from .config import ModelConfig
-from .functional import ACTIVATIONS, rms_norm
+from .functional import ACTIVATIONS, gated_activation, rms_norm
 from ..formats.quants import DIRECT_TOKENS, kernel_available, matmul
 
 #: Up to this many tokens a forward pass runs BLAS on one thread (decode steps, batched ones too).
@@ -493,14 +493,11 @@ class CausalLM:
             m = layer.moe(m)  # (B, L, E): a mixture of experts
         else:
             u = _linear(m, layer.w_up, layer.b_up)  # (B, L, 2F) or (B, L, F)
-            act = ACTIVATIONS[cfg.activation]
             if cfg.gated_mlp:
                 F = cfg.intermediate_size
-                g = act(u[..., :F], [scratch(f"lm.act{j}", (B, L, F), u.dtype) for j in range(3)])  # act(gate), in place
-                g *= u[..., F:]
-                u = g
+                u = gated_activation(u, F, cfg.activation, [scratch(f"lm.act{j}", (B, L, F), u.dtype) for j in range(3)])  # act(gate) * up, (B, L, F)
             else:
-                u = act(u, [scratch(f"lm.act{j}", u.shape, u.dtype) for j in range(3)])
+                u = ACTIVATIONS[cfg.activation](u, [scratch(f"lm.act{j}", u.shape, u.dtype) for j in range(3)])
             m = _linear(u, layer.w_down, layer.b_down)  # (B, L, E)
         if layer.post_mlp_norm is not None:
             m = cfg.normalize(m, layer.post_mlp_norm)

@@ -26,7 +26,7 @@ import numpy as np
 
 from ... import flash as _flash
 
-__all__ = ["layer_norm", "add_layer_norm", "rms_norm", "erf", "gelu", "gelu_tanh", "silu", "ACTIVATIONS"]
+__all__ = ["layer_norm", "add_layer_norm", "rms_norm", "erf", "gelu", "gelu_tanh", "silu", "gated_activation", "ACTIVATIONS", "COMPILED_KINDS"]
 
 # Abramowitz & Stegun 7.1.26: erf(x) = 1 - (a1 t + ... + a5 t^5) exp(-x^2),
 # t = 1 / (1 + p x), for x >= 0; |error| <= 1.5e-7 in exact arithmetic
@@ -172,6 +172,34 @@ def _silu_(x: np.ndarray, work: list) -> np.ndarray:
 #: The activations qkv supports, by their Hugging Face config names, as in-place
 #: functions ``f(x, work) -> x`` with ``work`` a list of three scratch arrays shaped like ``x``.
 ACTIVATIONS = {"gelu": _gelu_erf_, "gelu_new": _gelu_tanh_, "gelu_pytorch_tanh": _gelu_tanh_, "gelu_fast": _gelu_tanh_, "relu": _relu_, "silu": _silu_, "swish": _silu_}
+
+
+#: The compiled activation's kind for each name it covers (0 exact GELU, 1 tanh GELU, 2 SiLU).
+COMPILED_KINDS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "gelu_fast": 1, "silu": 2, "swish": 2}
+
+
+def gated_activation(u: np.ndarray, F: int, activation: str, work: list) -> np.ndarray:
+    """A gated MLP's hidden values, ``act(u[..., :F]) * u[..., F:]``, from the fused gate/up product
+    ``u`` (..., 2F): (..., F). ``work``: scratch arrays shaped like the result (the NumPy route's; the
+    compiled route writes the result into the first).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.models.engines.functional import gated_activation, silu
+    >>> u = np.array([[-1.0, 0.0, 1.0, 2.0, 3.0, 4.0]], np.float32)
+    >>> g = gated_activation(u, 3, "silu", [np.empty((1, 3), np.float32) for _ in range(3)])
+    >>> bool(np.allclose(g, silu(u[:, :3]) * u[:, 3:], rtol=1e-6))
+    True
+    """
+    kind = COMPILED_KINDS.get(activation)
+    if kind is not None and _compiled(u) is not None:  # one compiled pass into a contiguous array
+        from ..._compiled import gated_
+
+        return gated_(u, F, kind, out=work[0] if work else None)  # into the first scratch array where it fits
+    g = ACTIVATIONS[activation](u[..., :F], work)  # in place on the gate half
+    g *= u[..., F:]
+    return g
 
 
 def _allocating(fn):

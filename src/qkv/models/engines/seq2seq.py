@@ -37,7 +37,7 @@ from ...cache import KVCache
 from .decoder import check_token_ids
 from ..errors import ModelError
 from .config import ModelConfig
-from .functional import ACTIVATIONS
+from .functional import ACTIVATIONS, gated_activation
 
 __all__ = ["Seq2SeqConfig", "Attention", "Seq2SeqLayer", "Seq2SeqLM", "Seq2SeqCache", "Seq2SeqOutput", "Seq2SeqGenerateOutput"]
 
@@ -270,13 +270,11 @@ class Seq2SeqLM:
         u = x @ layer.w_in.T
         if layer.b_in is not None:
             u += layer.b_in
-        act = ACTIVATIONS[c.activation]
         if c.gated_ffn:
             F = c.ffn_size
-            g = act(np.ascontiguousarray(u[..., :F]), [np.empty(u.shape[:-1] + (F,), u.dtype) for _ in range(3)])
-            u = g * u[..., F:]
+            u = gated_activation(u, F, c.activation, [np.empty(u.shape[:-1] + (F,), u.dtype) for _ in range(3)])
         else:
-            u = act(u, [np.empty_like(u) for _ in range(3)])
+            u = ACTIVATIONS[c.activation](u, [np.empty_like(u) for _ in range(3)])
         y = u @ layer.w_out.T
         if layer.b_out is not None:
             y += layer.b_out

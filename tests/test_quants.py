@@ -133,6 +133,8 @@ def test_block_products_are_the_same_bits_compiled_for_avx2_as_for_this_cpu(tmp_
     types = [q for q in SUPPORTED if q not in ("F16", "BF16")]
     x = rng.standard_normal((13, 512)).astype(np.float32)
     raws = {f"raw_{q}": random_blocks(q, 33, 512, rng) for q in types}
+    for q, size in (("Q8_0", 34), ("Q4_0", 18), ("Q5_0", 22)):  # scales at float16's ends too (the largest, a subnormal, a negative)
+        raws[f"raw_{q}"].reshape(33, 16, size)[0, :3, :2] = np.array([65504, 6e-8, -0.5], np.float16).view(np.uint8).reshape(3, 2)
     np.savez(tmp_path / "given.npz", x=x, **raws)
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     subprocess.run([sys.executable, "-c", _OTHER_WIDTH, str(tmp_path / "given.npz"), str(tmp_path / "got.npz")], env=env, check=True, timeout=600)

@@ -341,20 +341,30 @@ def _wide_q5_0(b, row, blk, at, d, dmin):  # as _ints_q5_0: value k's fifth bit 
     return [_Ints(b.mul(blk, _c(32)), _cat4(b, parts), d)]
 
 
-def _wide16_q5_0(b, row, blk, at, d, dmin):  # as _wide_q5_0, for AVX-512: 16 lanes a vector, the fifth bits as masks
-    # The 16 bytes of nibbles widened in one load (lanes: values 0-15 from the low nibbles, 16-31 from the high),
-    # and each half's 16 fifth bits taken as a mask (bitcast to <16 x i1>: one mask register) that selects
-    # nibble | 16 where its bit is set: some 16 operations a run where the 8-lane form takes about 35. The
-    # same integers: one token's Q5_0 products in 0.77x the time on Zen 4 (Gemma 3 270M's 81 Q5_0 matrices,
-    # 1 and 2 threads), 0.86x for 4 tokens, 0.91x for 8. (Q4_0 and Q4_K read this way were no faster.)
+_MAGIC = 0x4B400000  # the bits of the float 1.5 * 2^23, whose last bit is worth 1: its bits + k are the float 1.5 * 2^23 + k (|k| < 2^22)
+
+
+def _floats16_q5_0(b, row, blk, at, d, dmin):  # a Q5_0 block's float run (as _runs_of(_wide_q5_0)), for AVX-512
+    """16 lanes a vector, no integer conversion: the 16 bytes of nibbles widened in one load (lanes:
+    values 0-15 from the low nibbles, 16-31 from the high); each half's 16 fifth bits a mask register
+    choosing, lane by lane, the bits of 1.5 * 2^23 or of 1.5 * 2^23 - 16, OR'd with the nibble: the
+    float 1.5 * 2^23 + q, q = (nibble | 16 bit) - 16. Then ``fma(that, d, -1.5 * 2^23 d) = q d``:
+    q d has at most 16 significant bits, so it is exact, and so is the one rounding of the fused
+    multiply-add: the same floats as ``d * float(q)``, so the same sums. Some 11 vector operations a
+    run where converting the integers (the form before) took 14: one token's Q5_0 products in 0.94x
+    the time on Zen 4 (Gemma 3 270M's 81 Q5_0 matrices, 1 thread; 0.95x on 2). The same for Q4_0 was
+    no faster (its runs wait on their chain of multiply-adds)."""
     qh = b.load(b.bitcast(b.gep(row, [b.add(at, _c(2))]), _I32.as_pointer()), align=1)
     c = b.zext(_bytes(b, row, b.add(at, _c(6)), 16), _V16I)
-    sixteen = ir.Constant(_V16I, 16)
+    f16 = ir.VectorType(_F32, 16)
+    dv = _splat(b, d, 16)
+    cv = b.fmul(dv, ir.Constant(f16, -1.5 * 2**23))  # exact: d (from a float16) has 11 significant bits
     halves = []
     for k, v in enumerate((b.and_(c, ir.Constant(_V16I, 15)), b.lshr(c, ir.Constant(_V16I, 4)))):
         bits = b.bitcast(b.trunc(b.lshr(qh, _c(16 * k, _I32)), ir.IntType(16)), ir.VectorType(ir.IntType(1), 16))
-        halves.append(b.sub(b.select(bits, b.or_(v, sixteen), v), sixteen))  # in [-16, 15]
-    return [_Ints(b.mul(blk, _c(32)), b.shuffle_vector(halves[0], halves[1], _vec(range(32))), d)]
+        top = b.select(bits, ir.Constant(_V16I, _MAGIC), ir.Constant(_V16I, _MAGIC - 16))  # low 4 bits zero in both
+        halves.append(_fma(b, b.bitcast(b.or_(v, top), f16), dv, cv))
+    return [(b.mul(blk, _c(32)), b.shuffle_vector(halves[0], halves[1], _vec(range(32))))]
 
 
 def _wide_q4_k(b, row, blk, at, d, dmin):  # as _ints_q4_k, the 8 offsets together (_OFFSETS8)
@@ -391,10 +401,12 @@ def _runs_of(ints_of):
 
 _INTS = {_Q8_0: (_ints_q8_0, 34), _Q4_0: (_ints_q4_0, 18), _Q5_0: (_ints_q5_0, 22), _Q4_K: (_ints_q4_k, 144), _Q5_K: (_ints_q5_k, 176), _Q6_K: (_ints_q6_k, 210)}
 #: What the float kernels unpack with: the widened forms where they measured faster (Q4_0, Q5_0, Q4_K:
-#: 0.68x, 0.92x, 0.80x the cycles for one token, L2-resident; with AVX-512, Q5_0's 16-lane form); Q5_K's and Q6_K's took as long or longer (their
+#: 0.68x, 0.92x, 0.80x the cycles for one token, L2-resident; with AVX-512, Q5_0 goes by _floats16_q5_0 instead); Q5_K's and Q6_K's took as long or longer (their
 #: high bits cost more shifts in 32-bit lanes than the byte forms' shuffles), and Q8_0's loads widen already.
-_WIDE = {_Q8_0: _ints_q8_0, _Q4_0: _wide_q4_0, _Q5_0: _wide16_q5_0 if AVX512 else _wide_q5_0, _Q4_K: _wide_q4_k, _Q5_K: _ints_q5_k, _Q6_K: _ints_q6_k}
+_WIDE = {_Q8_0: _ints_q8_0, _Q4_0: _wide_q4_0, _Q5_0: _wide_q5_0, _Q4_K: _wide_q4_k, _Q5_K: _ints_q5_k, _Q6_K: _ints_q6_k}
 _RUNS = {code: (_runs_of(_WIDE[code]), size) for code, (_, size) in _INTS.items()}
+if AVX512:
+    _RUNS[_Q5_0] = (_floats16_q5_0, 22)
 #: The K-quants whose offsets are summed in 8 lanes, a super-block's 8 in one multiply-add with the sums of x
 #: over its 8 runs (lane k: every super-block's run k), the lanes added in halves at the end; the others
 #: in one sum, run after run. The 8 lanes took the scalar sum's extraction of each offset and its chain of

@@ -53,8 +53,6 @@ __all__ = ["ENABLED", "Plan", "plan", "block"]
 ENABLED = True
 
 _NONE = np.zeros(0, np.float32)  # an absent norm's weight
-#: Activations by config name -> the kind _compiled's activation takes (ACTIVATIONS' compiled path).
-_ACTIVATIONS = COMPILED_KINDS
 _BLOCK_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")  # what quant_simd multiplies (F16 and BF16 go elsewhere)
 #: Parts a matrix may have (q, k and v kept apart). Every matrix passes exactly this many, empty ones after
 #: its own: numba compiles a call once for each tuple length it sees, and each compile of these calls is seconds.
@@ -116,7 +114,7 @@ def _norm(weights):  # (weight, bias) or None -> float32 weight, or _NONE; None 
 def plan(lm) -> list | None:
     """Each layer's :class:`Plan`, or None when some part of the model is not covered (see the module's docstring)."""
     cfg = lm.config
-    act = _ACTIVATIONS.get(cfg.activation)
+    act = COMPILED_KINDS.get(cfg.activation)  # the compiled activation's kind (functional's)
     if not ENABLED or act is None or cfg.norm != "rms" or not cfg.rope or quants._default_kernel() == "numpy" or not quants.kernel_available():
         return None
     cached = getattr(lm, "_decode_plan", None)

@@ -338,6 +338,32 @@ def test_attend_one_equals_torch(torch, window, softcap, with_sinks, masked):
         assert (got[2] == 0).all()
 
 
+def test_attend_one_and_paged_attention_keep_nan_where_torch_does(torch):
+    """A NaN in a query (or a key) gives NaN where torch's attention (written out: its math backend) gives NaN, in the decode step's
+    attention and in the server's paged one: never zeros, as "nothing to attend to" gives (an all-NaN
+    row of scores once left the running maximum at -inf and read as that case)."""
+    from qkv.models.serving.engine import paged_attention
+
+    rng = np.random.default_rng(3)
+    B, Hq, Hk, S, D = 2, 4, 2, 9, 16
+    q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hk, S, D)).astype(np.float32) for _ in range(2))
+    q[0, 1] = np.nan  # a whole query
+    k[1, 0, 4, 3] = np.nan  # one value of one key: every query head reading key head 0 of row 1
+    t = torch.from_numpy
+    kk, vv = t(k).repeat_interleave(Hq // Hk, dim=1), t(v).repeat_interleave(Hq // Hk, dim=1)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # torch's fused CPU kernel gives zeros for a NaN query
+        want = torch.nn.functional.scaled_dot_product_attention(t(q)[:, :, None], kk, vv, scale=0.25)[:, :, 0].numpy()
+    assert np.isnan(want).any() and not np.isnan(want).all()  # the case tests something
+    got = _compiled.attend_one(q, k, v, None, 0, 0.25, 0.0, None)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-5, atol=2e-6)
+    pages = lambda a: a.transpose(0, 2, 1, 3)  # (B, S, Hk, D): row b's keys fill page b  # noqa: E731
+    paged = paged_attention(q, pages(k), pages(v), np.arange(B)[:, None], np.arange(B), np.full(B, S - 1), scale=0.25)
+    np.testing.assert_array_equal(np.isnan(paged), np.isnan(want))
+    np.testing.assert_allclose(paged[~np.isnan(paged)], want[~np.isnan(want)], rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("D", [16, 100, 256])
 def test_rms_norm_compiled_equals_torch_on_strided_rows(torch, D):
     """The compiled RMSNorm on the query slice of a fused q/k/v product (strided rows) and on contiguous

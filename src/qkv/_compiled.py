@@ -716,15 +716,21 @@ def rope_(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, inline="always")
 def exp_scores_(s, m, sinks, h):  # (n,) scores in place, their max, (H,) or (0,) sink logits, head -> the softmax's denominator
-    """s <- exp(s - m'), m' the max of the scores and head h's sink; returns their sum, the sink's share included."""
+    """s <- exp(s - m'), m' the max of the scores and head h's sink; returns their sum, the sink's share included.
+
+    float32 throughout (``m`` too: a float64 maximum, as ``-np.inf`` starts one, made every exponential a
+    scalar float64 call to libm, 2/3 of a paged attention's time), by :func:`_exp`'s vector polynomial;
+    a NaN score stays NaN (``_exp`` alone would give 0 for it)."""
     if sinks.size:
         m = max(m, sinks[h])
     total = np.float32(0)
     for j in range(s.shape[0]):
-        s[j] = np.exp(s[j] - m)
+        x = s[j] - m
+        e = _exp(x)
+        s[j] = e if x == x else x
         total += s[j]
     if sinks.size:
-        total += np.exp(sinks[h] - m)
+        total += _exp(sinks[h] - m)
     return total
 
 
@@ -737,11 +743,13 @@ def _attend_one(q, k, v, keep, window, scale, softcap, sinks, out):  # (B, Hq, D
         b, hq = it // Hq, it % Hq
         hk = hq // group
         s = np.empty(S - lo, np.float32)
-        m = -np.inf
+        m = np.float32(-np.inf)  # float32: see exp_scores_
+        seen = False
         for j in range(lo, S):
             if keep.shape[0] and not keep[b, j]:
                 s[j - lo] = -np.inf
                 continue
+            seen = True
             acc = np.float32(0)
             for d in range(D):
                 acc += q[b, hq, d] * k[b, hk, j, d]
@@ -752,8 +760,8 @@ def _attend_one(q, k, v, keep, window, scale, softcap, sinks, out):  # (B, Hq, D
             m = max(m, acc)
         o = out[b, hq]
         o[:] = 0
-        if m == -np.inf:  # nothing to attend to: zeros (a sink alone takes no value)
-            continue
+        if not seen:  # nothing to attend to: zeros (a sink alone takes no value). Scores all NaN (a NaN
+            continue  # query) leave m at -inf too: those go on, and give NaN, as torch's softmax does
         total = exp_scores_(s, m, sinks, hq)
         for j in range(lo, S):
             w = s[j - lo] / total

@@ -164,22 +164,24 @@ def _say_once_uncompiled() -> None:
         warnings.warn("quantized weights are multiplied without numba (dequantized at every product: about 100x slower): pip install 'qkv[fast]'", RuntimeWarning, stacklevel=3)
 
 
-def _scales(raw: np.ndarray, qtype: str):  # (rows, row bytes) -> float32 arrays of the block scales
+def _scales(raw: np.ndarray, qtype: str):  # (rows, row bytes) C-contiguous -> float32 arrays of the block scales
     """The float16 scales of every block, as float32 (exact): numba has no float16, and reading
-    them once here spares the products the conversion. (rows, blocks) each."""
+    them once here spares the products the conversion. (rows, blocks) each.
+
+    Read as a strided view of the rows' 16-bit words (every block size and scale offset is even) and
+    converted in one pass: 0.4x the time of gathering their bytes into a contiguous copy first (the 127
+    matrices of Gemma 3 270M, in the page cache: 20-26 ms against 52-77)."""
     rows = raw.shape[0]
     n, size = BLOCKS[qtype]
-    blocks = raw.reshape(rows, -1, size)
+    none = np.zeros((rows, 0), np.float32)
     if qtype in ("F16", "BF16"):
-        return np.zeros((rows, 0), np.float32), np.zeros((rows, 0), np.float32)
-    if qtype == "Q6_K":
-        d = blocks[:, :, 208:210]
-        return np.ascontiguousarray(d).view(np.float16)[..., 0].astype(np.float32), np.zeros((rows, 0), np.float32)
-    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        return none, none
+    words = raw.view(np.uint16)  # (rows, row bytes / 2)
+    step = size // 2
+    d = words[:, (208 // 2 if qtype == "Q6_K" else 0) :: step].view(np.float16).astype(np.float32)  # Q6_K keeps d last, at byte 208
     if qtype in ("Q4_K", "Q5_K"):
-        dmin = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
-        return d, dmin
-    return d, np.zeros((rows, 0), np.float32)
+        return d, words[:, 1::step].view(np.float16).astype(np.float32)  # dmin: bytes 2-3
+    return d, none
 
 
 def _check_finite(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray, qtype: str, name: str) -> None:

@@ -61,7 +61,7 @@ def _paged_attention(q, kp, vp, table, row, pos, window, scale, softcap, sinks, 
         n = pos[t] + 1  # keys 0 .. pos[t]: its sequence's, itself included
         lo = 0 if window <= 0 else max(0, n - window)
         s = np.empty(n - lo, np.float32)
-        m = -np.inf
+        m = np.float32(-np.inf)  # float32, as the scores: see exp_scores_
         for j in range(lo, n):
             p, sl = table[row[t], j // page], j % page
             acc = np.float32(0)

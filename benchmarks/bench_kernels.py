@@ -59,9 +59,9 @@ def _loop():
     def loop(raw, d, dmin, code, x, xsum, out, reps):  # every row's kernel, reps times over, as matmul_blocks runs them
         R = raw.shape[0]
         for _ in range(reps):
-            if quant_simd.AVX512 and x.shape[0] >= quant_simd.PAIR_TOKENS:  # two rows at a time (AVX-512)
+            if quant_simd.AVX512 and x.shape[0] >= quant_simd.PAIR_TOKENS:  # two rows at a time, half the rows apart (AVX-512)
                 for p in range(R // 2):
-                    quant_simd._pair(raw, d, dmin, code, x, xsum, 2 * p, out)
+                    quant_simd._pair(raw, d, dmin, code, x, xsum, p, p + R // 2, out)
                 for r in range(R - R % 2, R):
                     quant_simd._row(raw, d, dmin, code, x, xsum, r, out)
             else:

@@ -83,7 +83,7 @@ def test_block_products_for_every_token_count_and_the_same_bits_in_any_group(qty
     from qkv.models.formats.quants import _CODE
 
     rng = np.random.default_rng(len(qtype))
-    rows, cols = 131, 512  # (odd: with AVX-512, rows go two at a time from PAIR_TOKENS tokens, and one is left)
+    rows, cols = 131, 512  # (odd: with AVX-512, rows go two at a time, half the rows apart, and one is left)
     m = QuantizedMatrix(random_blocks(qtype, rows, cols, rng), qtype, (rows, cols))
     w = dequantize_rows(m.raw, qtype, cols).astype(np.float64)
     for tokens in range(1, 14):  # groups of 8 (AVX-512) or 4, a group of 4 left, and 1 to 3

@@ -96,14 +96,19 @@ AVX512 = _target_has("avx512f")
 GROUP = 8 if AVX512 else 4
 
 #: From this many tokens on, rows are dotted two at a time where registers allow it (AVX-512): each
-#: token's activations are loaded once for both rows' sums (2 rows x 8 tokens: 16 registers of sums).
-#: Loads of the activations, not the arithmetic, bound a group of tokens: on Zen 4, 8 tokens through
-#: Gemma 3 270M's Q8_0 output table (262,144 x 640) took 0.65x the time on 1 and 2 threads, 4 tokens
-#: 0.78x; Gemma's 27 Q4_K matrices 0.73x at 8 tokens, 0.82x at 4 (two K-quant rows take groups of 4
-#: tokens: with 8, their sums and offsets spilled, 1.7x the time); with 1 or 2 tokens, two rows were
-#: slower (two streams of bytes for one token's sums). Each (row, token) sum is made by the same
-#: operations in the same order as with one row, so its bits are the same.
-PAIR_TOKENS = 4
+#: token's activations are loaded once for both rows' sums (2 rows x 8 tokens: 16 registers of sums),
+#: and one token has two chains of multiply-adds in flight instead of one. The two rows are half a
+#: matrix apart (rows p and p + R // 2): two rows side by side (r and r + 1), two streams of bytes a
+#: few hundred bytes apart, read the streamed output table at 0.57x the speed of one row at a time for
+#: one token, however far ahead the blocks were prefetched (2,048, 4,096 or 8,192 bytes), while in the
+#: L2 cache they took 0.75x the cycles. Half a matrix apart, on Zen 4, Gemma 3 270M's matrices against
+#: one row at a time (PAIR_TOKENS 4 with side-by-side pairs before), medians of 7-11: one token, the
+#: Q8_0 output table 0.81x the time on 1 thread (12.1 -> 9.9 ms: 18 GB/s, the bandwidth bound) and the
+#: same on 2, the 126 layer matrices 0.96x / 1.00x; 2 tokens 0.85x / 0.88x; 4 tokens 0.95x / 0.92x;
+#: 8 tokens 0.98x / 0.97x. Two K-quant rows take groups of 4 tokens (with 8, their sums and offsets
+#: spilled, 1.7x the time). Each (row, token) sum is made by the same operations in the same order as
+#: with one row, so its bits are the same.
+PAIR_TOKENS = 1
 
 #: Bytes ahead of the block being decoded at which each block asks the memory to start fetching (each of
 #: its cache lines: :func:`_prefetch_block`). A big table
@@ -419,74 +424,83 @@ _OFFSETS8 = (_Q4_K,)
 
 
 def _row_dots(code: int, rows: int = 1):
-    """An intrinsic ``(raw, d, dmin, x, r, out) -> None``: out[t, r'] <- row r' . x[t] for rows r' = r ..
-    r + rows - 1 and every token t, GROUP tokens at a time (one unpacking of each block for them), then the
-    rest (:func:`_groups`); two rows (:data:`PAIR_TOKENS`) share each load of a token's activations."""
+    """An intrinsic ``(raw, d, dmin, x, xsum, r, out) -> None`` (one row) or ``(raw, d, dmin, x, xsum, r, r2,
+    out) -> None`` (two: :data:`PAIR_TOKENS`): out[t, r'] <- row r' . x[t] for the row(s) r' and every token t,
+    GROUP tokens at a time (one unpacking of each block for them), then the rest (:func:`_groups`); two rows
+    share each load of a token's activations."""
     runs_of, size = _RUNS[code]
 
-    @intrinsic
-    def dots(typingctx, raw, d, dmin, x, xsum, r, out):
-        def codegen(context, b, sig, args):
-            ra, da, ma, xa, sa, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 6))
-            n_runs = b.extract_value(sa.shape, 1)
-            n_blocks, n_in, n_out = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(oa.shape, 1)
-            rs = [b.add(args[5], _c(i)) for i in range(rows)]
-            row_of = [b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))]) for r in rs]
-            d_of = [b.gep(da.data, [b.mul(r, n_blocks)]) for r in rs]
-            m_of = [b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))]) for r in rs]
+    def codegen(context, b, sig, args):
+        ra, da, ma, xa, sa, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, len(args) - 1))
+        n_runs = b.extract_value(sa.shape, 1)
+        n_blocks, n_in, n_out = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(oa.shape, 1)
+        rs = list(args[5 : 5 + rows])
+        row_of = [b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))]) for r in rs]
+        d_of = [b.gep(da.data, [b.mul(r, n_blocks)]) for r in rs]
+        m_of = [b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))]) for r in rs]
 
-            def tokens(t0, group):  # tokens t0 .. t0 + group - 1: LANES running sums each (a row), in registers
-                xs = [b.gep(xa.data, [b.mul(b.add(t0, _c(g)), n_in)]) for g in range(group)]
-                accs = [[cgutils.alloca_once(b, _VACC) for _ in range(group)] for _ in rs]  # accs[row][token]
-                for acc in (a for row_accs in accs for a in row_accs):
-                    b.store(ir.Constant(_VACC, None), acc)
-                # K-quants: the sum of offset * sum(x) a run (in 8 lanes for _OFFSETS8: a super-block in each)
-                offs = [[cgutils.alloca_once(b, _V8F if code in _OFFSETS8 else _F32) for _ in range(group)] for _ in rs]
-                for o in (o for row_offs in offs for o in row_offs):
-                    b.store(ir.Constant(_V8F, None) if code in _OFFSETS8 else ir.Constant(_F32, 0.0), o)
-                sums = [b.gep(sa.data, [b.mul(b.add(t0, _c(g)), n_runs)]) for g in range(group)]
-                with cgutils.for_range(b, n_blocks) as loop:
-                    blk = loop.index
-                    runs = []  # runs[row]: [(first, w)], each row's block unpacked once for the group
-                    for row, d_row, m_row in zip(row_of, d_of, m_of):
-                        _prefetch_block(b, row, b.mul(blk, _c(size)), size)
-                        dd = b.load(b.gep(d_row, [blk]))
-                        dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
-                        runs.append(runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm))
-                    for j, (first, w) in enumerate(runs[0]):
-                        if isinstance(w, _Factored):  # K-quants: d0 * (q . x) - n0 * sum(x) a run
-                            ws = [rr[j][1] for rr in runs]
-                            for g in range(group):
-                                us = [None] * rows  # q . x, LANES sums, a row each
-                                for h in range(32 // LANES):
-                                    xv = b.load(b.bitcast(b.gep(xs[g], [b.add(first, _c(h * LANES))]), _VACC.as_pointer()), align=4)
-                                    for i, wi in enumerate(ws):
-                                        qh = b.shuffle_vector(wi.q, wi.q, _vec(range(h * LANES, (h + 1) * LANES)))
-                                        us[i] = b.fmul(qh, xv) if us[i] is None else _fma(b, qh, xv, us[i])
-                                for wi, u, acc, off in zip(ws, us, accs, offs):
-                                    b.store(_fma(b, _splat(b, wi.scale, LANES), u, b.load(acc[g])), acc[g])
-                                    if wi.offsets is not None:  # the super-block's 8 runs' sums of x, and their offsets
-                                        sx = b.load(b.bitcast(b.gep(sums[g], [wi.run]), _V8F.as_pointer()), align=4)
-                                        b.store(_fma(b, wi.offsets, sx, b.load(off[g])), off[g])
-                                    elif wi.offset is not None:
-                                        b.store(_fma(b, wi.offset, b.load(b.gep(sums[g], [wi.run])), b.load(off[g])), off[g])
-                            continue
-                        for h in range(32 // LANES):  # the run's values h * LANES ..., into the same sums
-                            whs = [b.shuffle_vector(rr[j][1], rr[j][1], _vec(range(h * LANES, (h + 1) * LANES))) for rr in runs]
-                            for g in range(group):  # each token's values loaded once for every row
+        def tokens(t0, group):  # tokens t0 .. t0 + group - 1: LANES running sums each (a row), in registers
+            xs = [b.gep(xa.data, [b.mul(b.add(t0, _c(g)), n_in)]) for g in range(group)]
+            accs = [[cgutils.alloca_once(b, _VACC) for _ in range(group)] for _ in rs]  # accs[row][token]
+            for acc in (a for row_accs in accs for a in row_accs):
+                b.store(ir.Constant(_VACC, None), acc)
+            # K-quants: the sum of offset * sum(x) a run (in 8 lanes for _OFFSETS8: a super-block in each)
+            offs = [[cgutils.alloca_once(b, _V8F if code in _OFFSETS8 else _F32) for _ in range(group)] for _ in rs]
+            for o in (o for row_offs in offs for o in row_offs):
+                b.store(ir.Constant(_V8F, None) if code in _OFFSETS8 else ir.Constant(_F32, 0.0), o)
+            sums = [b.gep(sa.data, [b.mul(b.add(t0, _c(g)), n_runs)]) for g in range(group)]
+            with cgutils.for_range(b, n_blocks) as loop:
+                blk = loop.index
+                runs = []  # runs[row]: [(first, w)], each row's block unpacked once for the group
+                for row, d_row, m_row in zip(row_of, d_of, m_of):
+                    _prefetch_block(b, row, b.mul(blk, _c(size)), size)
+                    dd = b.load(b.gep(d_row, [blk]))
+                    dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
+                    runs.append(runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm))
+                for j, (first, w) in enumerate(runs[0]):
+                    if isinstance(w, _Factored):  # K-quants: d0 * (q . x) - n0 * sum(x) a run
+                        ws = [rr[j][1] for rr in runs]
+                        for g in range(group):
+                            us = [None] * rows  # q . x, LANES sums, a row each
+                            for h in range(32 // LANES):
                                 xv = b.load(b.bitcast(b.gep(xs[g], [b.add(first, _c(h * LANES))]), _VACC.as_pointer()), align=4)
-                                for wh, acc in zip(whs, accs):
-                                    b.store(_fma(b, wh, xv, b.load(acc[g])), acc[g])
-                for i, r in enumerate(rs):
-                    for g in range(group):
-                        off = _hsum(b, b.load(offs[i][g])) if code in _OFFSETS8 else b.load(offs[i][g])
-                        b.store(b.fsub(_hsum(b, b.load(accs[i][g])), off), b.gep(oa.data, [b.add(b.mul(b.add(t0, _c(g)), n_out), r)]))
+                                for i, wi in enumerate(ws):
+                                    qh = b.shuffle_vector(wi.q, wi.q, _vec(range(h * LANES, (h + 1) * LANES)))
+                                    us[i] = b.fmul(qh, xv) if us[i] is None else _fma(b, qh, xv, us[i])
+                            for wi, u, acc, off in zip(ws, us, accs, offs):
+                                b.store(_fma(b, _splat(b, wi.scale, LANES), u, b.load(acc[g])), acc[g])
+                                if wi.offsets is not None:  # the super-block's 8 runs' sums of x, and their offsets
+                                    sx = b.load(b.bitcast(b.gep(sums[g], [wi.run]), _V8F.as_pointer()), align=4)
+                                    b.store(_fma(b, wi.offsets, sx, b.load(off[g])), off[g])
+                                elif wi.offset is not None:
+                                    b.store(_fma(b, wi.offset, b.load(b.gep(sums[g], [wi.run])), b.load(off[g])), off[g])
+                        continue
+                    for h in range(32 // LANES):  # the run's values h * LANES ..., into the same sums
+                        whs = [b.shuffle_vector(rr[j][1], rr[j][1], _vec(range(h * LANES, (h + 1) * LANES))) for rr in runs]
+                        for g in range(group):  # each token's values loaded once for every row
+                            xv = b.load(b.bitcast(b.gep(xs[g], [b.add(first, _c(h * LANES))]), _VACC.as_pointer()), align=4)
+                            for wh, acc in zip(whs, accs):
+                                b.store(_fma(b, wh, xv, b.load(acc[g])), acc[g])
+            for i, r in enumerate(rs):
+                for g in range(group):
+                    off = _hsum(b, b.load(offs[i][g])) if code in _OFFSETS8 else b.load(offs[i][g])
+                    b.store(b.fsub(_hsum(b, b.load(accs[i][g])), off), b.gep(oa.data, [b.add(b.mul(b.add(t0, _c(g)), n_out), r)]))
 
-            # (two rows of a K-quant in groups of 8 tokens spilled: 32 registers of sums and offsets)
-            _groups(b, b.extract_value(xa.shape, 0), tokens, 4 if rows > 1 and code in (_Q4_K, _Q5_K) else GROUP)
-            return context.get_dummy_value()
+        # (two rows of a K-quant in groups of 8 tokens spilled: 32 registers of sums and offsets)
+        _groups(b, b.extract_value(xa.shape, 0), tokens, 4 if rows > 1 and code in (_Q4_K, _Q5_K) else GROUP)
+        return context.get_dummy_value()
 
-        return types.none(raw, d, dmin, x, xsum, r, out), codegen
+    if rows == 1:
+
+        @intrinsic
+        def dots(typingctx, raw, d, dmin, x, xsum, r, out):
+            return types.none(raw, d, dmin, x, xsum, r, out), codegen
+
+    else:
+
+        @intrinsic
+        def dots(typingctx, raw, d, dmin, x, xsum, r, r2, out):
+            return types.none(raw, d, dmin, x, xsum, r, r2, out), codegen
 
     return dots
 
@@ -531,19 +545,19 @@ def _row(raw, d, dmin, code, x, xsum, r, out):  # row r with every token
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _pair(raw, d, dmin, code, x, xsum, r, out):  # rows r and r + 1 with every token
+def _pair(raw, d, dmin, code, x, xsum, r, r2, out):  # rows r and r2 with every token
     if code == _Q8_0:
-        _p8(raw, d, dmin, x, xsum, r, out)
+        _p8(raw, d, dmin, x, xsum, r, r2, out)
     elif code == _Q4_0:
-        _p40(raw, d, dmin, x, xsum, r, out)
+        _p40(raw, d, dmin, x, xsum, r, r2, out)
     elif code == _Q5_0:
-        _p50(raw, d, dmin, x, xsum, r, out)
+        _p50(raw, d, dmin, x, xsum, r, r2, out)
     elif code == _Q4_K:
-        _p4k(raw, d, dmin, x, xsum, r, out)
+        _p4k(raw, d, dmin, x, xsum, r, r2, out)
     elif code == _Q5_K:
-        _p5k(raw, d, dmin, x, xsum, r, out)
+        _p5k(raw, d, dmin, x, xsum, r, r2, out)
     else:
-        _p6k(raw, d, dmin, x, xsum, r, out)
+        _p6k(raw, d, dmin, x, xsum, r, r2, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -558,9 +572,10 @@ def _matmul_parallel(raw, d, dmin, code, x, out):
                 s += x[t, i]
             xsum[t, j] = s
     R = raw.shape[0]
-    if AVX512 and T >= PAIR_TOKENS:  # two rows at a time (PAIR_TOKENS)
-        for p in prange(R // 2):
-            _pair(raw, d, dmin, code, x, xsum, 2 * p, out)
+    if AVX512 and T >= PAIR_TOKENS:  # two rows at a time, half a matrix apart (PAIR_TOKENS)
+        half = R // 2
+        for p in prange(half):
+            _pair(raw, d, dmin, code, x, xsum, p, p + half, out)
         if R % 2:
             _row(raw, d, dmin, code, x, xsum, R - 1, out)
     else:

@@ -158,13 +158,12 @@ def _compiled_step(s, keep, m, total, fold: bool, span=None):
 
     rows, cols = s.shape
     ints = np.int32 if s.dtype == np.float32 else np.int64
-    bits = scratch("bits", (cols,), ints)
     ys = scratch("ys", (cols,), s.dtype)
     factor = scratch("factor", (rows,), s.dtype)
     use_keep = keep is not None
     keep = np.ascontiguousarray(keep) if use_keep else _NO_KEEP
     lo, hi = _NO_SPAN if span is None else span
-    moved, grew = kernel(s, s.view(ints), keep, use_keep, lo, hi, span is not None, m, total, factor, fold, s.dtype.type(TAU), ys, bits, bits.view(s.dtype))
+    moved, grew = kernel(s, s.view(ints), keep, use_keep, lo, hi, span is not None, m, total, factor, fold, s.dtype.type(TAU), ys)
     return moved, (factor if grew else None)
 
 
@@ -473,11 +472,10 @@ def _attend_compiled(qx, kx, vx, m, total, acc, segments, i0, n, G, offset, wind
 
     width = max(j1 - j0 for j0, j1, _ in segments) if segments else 1
     left, right = (-1, -1) if window is None else (-1 if window[0] is None else window[0], -1 if window[1] is None else window[1])
-    ints = np.int32 if dt == np.float32 else np.int64
     seg = np.array([(j0, j1) for j0, j1, _ in segments], np.int64).reshape(-1, 2)
     attend_rows(qx, kx, vx, m, total, acc, seg[:, 0].copy(), seg[:, 1].copy(), i0, n, G, offset, left, right, EDGE_ROWS, dt.type(TAU),
                 scratch("s", (rows * width,), dt), scratch("tmp_c", (rows * Dv,), dt), scratch("factor", (rows,), dt),
-                scratch("ys", (width,), dt), scratch("bits", (width,), ints), scratch("lo", (rows,), np.int64), scratch("hi", (rows,), np.int64))  # fmt: skip
+                scratch("ys", (width,), dt), scratch("lo", (rows,), np.int64), scratch("hi", (rows,), np.int64))  # fmt: skip
 
 
 def _with_mods(keep, var, bflat, hk, G, i0, i1, j0, j1, n, partial):

@@ -470,7 +470,7 @@ def test_every_module_with_compiled_code_shares_one_cache_stamp():
     root = Path(_numba_cache.__file__).parent
     with_numba = {str(p.relative_to(root)) for p in root.rglob("*.py") if re.search(r"^(from numba|import numba)", p.read_text(), re.M)}
     assert with_numba == set(_numba_cache.MODULES)
-    funcs = [_compiled.softmax_rows, quant_kernels._k_scale, quant_simd._matmul_parallel, quant_int8._matmul_parallel, decode_step._product, engine._sum64]
+    funcs = [_compiled.softmax_rows, quant_kernels._k_scale, quant_simd._matmul_parallel, quant_int8._matmul_parallel, decode_step._product, engine._exp_sum64]
     stamps = {f.py_func.__qualname__: f._cache._impl._locator.get_source_stamp() for f in funcs}
     assert set(stamps.values()) == {_numba_cache.stamp()}, stamps
 

@@ -70,6 +70,61 @@ def test_text_stream_never_shows_what_a_stop_string_takes_back():
     assert [s.push(ord(c)) for c in "ab"] == ["", ""]  # shorter than the stop string: nothing yet
 
 
+def _shown_by_decoding_everything(tokenizer, ids, stop):
+    """The oracle: the text of all the tokens at each push, shown as TextStream shows it."""
+    hold, shown, out = max((len(x) for x in stop), default=0), "", []
+    for n in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:n])
+        ready = "" if text.endswith("\ufffd") else text[: max(0, len(text) - hold)]
+        if len(ready) > len(shown) and ready.startswith(shown):
+            out.append(ready[len(shown) :])
+            shown = ready
+        else:
+            out.append("")
+    return out
+
+
+class _Counting:
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids)
+
+
+def test_text_stream_shows_what_decoding_every_token_shows_from_a_few_tokens_a_push(lm):
+    """Gemma's SentencePiece tokenizer (byte fallback: characters split over tokens), a byte-level BPE,
+    a SentencePiece-style one whose decoder drops the first word's space (as Llama's) and a WordPiece
+    one (joins "##" pieces, tidies spaces before punctuation): the same pieces as decoding all the
+    tokens at every push, for text and for random ids, with and without stop strings; a push decodes
+    a few tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = "Attention, all the way down: naïve café — 注意力机制 🙂🚀 e^x/Σ e^x.\n\nNext line\tend. " * 4
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    spm = Tokenizer(models.BPE(unk_token="<unk>"))
+    spm.pre_tokenizer, spm.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    spm.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False))
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.pre_tokenizer, wordpiece.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
+    wordpiece.train_from_iterator([text], trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"], show_progress=False))
+    rng = np.random.default_rng(5)
+    own = [(t, lambda x, t=t: t.encode(x).ids, t.get_vocab_size()) for t in (bpe, spm, wordpiece)]
+    for tokenizer, encode, vocab in [(lm.tokenizer, lm.tokenizer.encode, lm.tokenizer.vocab_size), *own]:
+        for ids in (list(encode(text)), rng.integers(0, vocab, 300).tolist()):
+            for stop in ((), ("\n\n", "注意")):
+                s = TextStream(tokenizer, stop)
+                assert [s.push(i) for i in ids] == _shown_by_decoding_everything(tokenizer, ids, stop)
+    counting = _Counting(lm.tokenizer)
+    s = TextStream(counting)
+    ids = list(lm.tokenizer.encode(text * 10))
+    shown = "".join(s.push(i) for i in ids)
+    assert shown == lm.tokenizer.decode(ids) and counting.decoded <= 2 * (TextStream.WINDOW + 1) * len(ids)  # not len(ids) ** 2 / 2
+
+
 # ------------------------------------------------------------ paged attention against torch
 
 

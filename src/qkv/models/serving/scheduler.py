@@ -316,8 +316,8 @@ class Scheduler:
             info["text"] = ""
         else:
             info["text"] = req.text.push(tok) if req.text is not None else ""
-            if req.stop:
-                text = self.lm.tokenizer.decode(req.new)
+            if req.stop:  # (the stream's text: decoding all the new tokens at each one cost a long answer quadratic time)
+                text = req.text.text if req.text is not None else self.lm.tokenizer.decode(req.new)
                 hits = [text.find(x) for x in req.stop if x in text]
                 if hits:
                     reason = "stop"

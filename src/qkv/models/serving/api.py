@@ -304,10 +304,10 @@ class _Server:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._sse(rid, kind, gen, first, body.n, include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        texts, logprobs, finish, dones = [""] * body.n, [[] for _ in range(body.n)], [None] * body.n, {}
+        pieces, logprobs, finish, dones = [[] for _ in range(body.n)], [[] for _ in range(body.n)], [None] * body.n, {}
         async for i, ev, payload in _after(first, gen):
             if ev == "token":
-                texts[i] += payload["text"]
+                pieces[i].append(payload["text"])  # joined once at the end (adding to a string copies it each time)
                 if payload.get("token") is not None and "logprob" in payload:
                     logprobs[i].append(payload)
             elif ev == "done":
@@ -317,6 +317,7 @@ class _Server:
                 status = 504 if "deadline" in payload["message"] else 500
                 return error_response(status, payload["message"], kind="timeout_error" if status == 504 else "server_error")
         created = int(time.time())
+        texts = ["".join(p) for p in pieces]
         if kind == "chat.completion":
             choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": {"content": [self._chat_logprob(x) for x in logprobs[i]]} if top is not None else None, "finish_reason": finish[i]} for i in range(body.n)]
         else:

@@ -348,3 +348,22 @@ def test_scheduler_preempts_and_recomputes_without_changing_an_answer(lm):
     lps = [[p["logprob"] for k, p in got[n] if k == "token" and p.get("token") is not None] for n in ("alone", "a", "b")]
     assert toks[0] == toks[1] == toks[2] and len(toks[0]) == 12
     assert lps[0] == lps[1] == lps[2]
+
+
+def test_warm_up_leaves_nothing_behind_and_changes_no_answer(lm):
+    """The server's warm-up (compiled code loaded, threads started before the first request) uses pages
+    of its own: no page taken or cached, nothing counted, and a request's tokens and log-probabilities
+    are those of a scheduler that never warmed up."""
+    answers = []
+    for warm in (True, False):
+        events = []
+        s = Scheduler(lm, num_pages=16, page_size=4)
+        if warm:
+            s.warm_up()
+            assert s.pool.pages_in_use == 0 and s.pool.cached_pages == 0 and s.pool.available == 16
+            assert s.generated_tokens == s.prompt_tokens == 0 and not s.ttft and not s._recent
+        s.submit(Request(prompt=lm.tokenizer.encode("The warm-up"), max_tokens=6, emit=lambda k, p: events.append((k, p)), top_logprobs=1))
+        while s.running or s.waiting:
+            s.step()
+        answers.append([(p["token"], p["logprob"]) for k, p in events if k == "token" and p.get("token") is not None])
+    assert answers[0] == answers[1] and len(answers[0]) == 6

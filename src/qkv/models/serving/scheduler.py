@@ -121,6 +121,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="qkv-engine", daemon=True)
+        self._warm, self._warmed, self._warm_error = True, threading.Event(), None
         # figures for /metrics
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -131,8 +132,37 @@ class Scheduler:
         self.failed: BaseException | None = None
 
     # ------------------------------------------------------------ the HTTP side
-    def start(self) -> None:
+    def start(self, *, warm_up: bool = True) -> None:
+        """Start the engine thread; return once it has run :meth:`warm_up` (unless ``warm_up=False``).
+
+        The warm-up runs on the engine thread itself, which then calls numba's threads as it will for
+        every request (warmed up on the main thread, a server's second and third short requests took
+        0.17-0.21 s against 0.13-0.17).
+        """
+        self._warm = warm_up
         self._thread.start()
+        self._warmed.wait()
+        if self._warm_error is not None:
+            self.close()
+            raise self._warm_error
+
+    def warm_up(self) -> None:
+        """Run a few prompt tokens and one decoded token through the engine, on two pages of their own.
+
+        A fresh server's first request had waited for what the first step of a process does once: the
+        compiled code loaded from numba's cache, numba's threads started, the model file's pages read
+        in. Here that happens before the server takes requests. Nothing is counted, cached or kept.
+        """
+        cfg = self.lm.config
+        pool = PagePool(cfg.num_layers, 2, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        n = min(4, self.page_size)  # the prompt on page 0, the decoded token on page 0 or 1
+        table = np.array([[0, 1]], np.int64)
+        with set_num_threads(self.threads) if self.threads else contextlib.nullcontext():
+            for tokens, first in ((list(range(1, n + 1)), 0), ([1], n)):
+                batch = Batch(tokens, [0] * len(tokens), list(range(first, first + len(tokens))), table, [len(tokens) - 1], self.page_size)
+                logits = forward_step(self.lm, pool, batch, batch_invariant=self.batch_invariant, int8_activations=self.int8_activations)
+                log_probabilities(logits, [1])
+                next_token(logits[0])
 
     def close(self) -> None:
         with self._cv:
@@ -166,6 +196,14 @@ class Scheduler:
     # ------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
         with set_num_threads(self.threads) if self.threads else contextlib.nullcontext():
+            try:
+                if self._warm:
+                    self.warm_up()
+            except Exception as exc:  # start() raises it
+                self._warm_error = exc
+                return
+            finally:
+                self._warmed.set()
             while True:
                 with self._cv:
                     while not self._stop and not self.waiting and not self.running:

@@ -1,7 +1,7 @@
 """qkv serve under many clients: aggregate tokens/s, time to first token, batch invariance, the prefix
 cache, memory per sequence, and a load run; llama.cpp's llama-server beside it when given.
 
-    python benchmarks/bench_serve.py --threads 2 [--llama-server PATH] [--load-seconds 180]
+    python benchmarks/bench_serve.py --threads 2 [--llama-server PATH] [--load-seconds 180] [--rounds 3]
 
 Each server runs as its own process (``qkv serve``, and ``llama-server`` on the same GGUF file, threads
 and context per sequence), one at a time, and is driven over HTTP by client threads of this process:
@@ -10,7 +10,8 @@ and context per sequence), one at a time, and is driven over HTTP by client thre
   (the single-client rate), then 2, 4 and 8 of them at once: aggregate generated tokens/s (all tokens
   over the wall time from the first request to the last answer) and mean time to first token.
   **Invariant** says whether every request's text and per-token log-probabilities were bit for bit the
-  ones it got alone.
+  ones it got alone. All of it ``--rounds`` times in turn on the same server: medians, and each
+  count's rate over the single-client rate of its own round.
 - **prefix**: a 600-token system prompt, a question: time to first token when the server computes the
   prompt, then for another question after the same prompt (served from shared pages).
 - **load**: clients arriving at random for ``--load-seconds``, a mix of chat and completions, streamed or
@@ -158,6 +159,20 @@ def concurrency(port, levels, tokens):
     return rows
 
 
+def rounds(port, levels, tokens, n):
+    """``concurrency`` ``n`` times on one server: per client count (clients, median tokens/s, median TTFT,
+    invariant in every round, median of the rounds' rates over the same round's one-client rate, and the
+    lowest and highest of those ratios). One client's rate moved by a fifth between runs minutes apart
+    here, which moved a single run's ratios as much: a ratio is taken within its round."""
+    runs = [concurrency(port, levels, tokens) for _ in range(n)]
+    rows = []
+    for k, c in enumerate(r[0] for r in runs[0]):
+        ratios = [run[k][1] / run[0][1] for run in runs]
+        rows.append((c, statistics.median(run[k][1] for run in runs), statistics.median(run[k][2] for run in runs), all(run[k][3] for run in runs),
+                     statistics.median(ratios), min(ratios), max(ratios)))  # fmt: skip
+    return rows
+
+
 def prefix(port):
     def ask(q):
         t0 = time.perf_counter()
@@ -248,6 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary (built from llama-cpp-python's source package)")
     ap.add_argument("--load-seconds", type=float, default=180)
+    ap.add_argument("--rounds", type=int, default=3, help="times each server runs every client count (medians; default 3)")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.clients.split(",")]
     from qkv.models.load import default_causal_lm_path
@@ -259,7 +275,7 @@ def main(argv=None) -> int:
         port = free_port()
         p = Proc([sys.executable, "-m", "qkv", "serve", "--port", str(port), "--threads", str(args.threads), "--max-batch", "8", "--log-level", "warning", "--embedding-model", "none", *extra], port)
         try:
-            rows = concurrency(port, levels, args.tokens)
+            rows = rounds(port, levels, args.tokens, args.rounds)
             cold, warm = prefix(port)
             results[name] = {"rows": rows, "prefix": (cold, warm), "rss": p.rss_mib()}
             print(name, results[name], flush=True)
@@ -276,7 +292,7 @@ def main(argv=None) -> int:
         n = max(levels)
         p = Proc([args.llama_server, "-m", gguf, "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads), "-np", str(n), "-c", str(2048 * n), "--log-disable"], port)
         try:
-            rows = concurrency(port, levels, args.tokens)
+            rows = rounds(port, levels, args.tokens, args.rounds)
             cold, warm = prefix(port)
             results["llama-server"] = {"rows": rows, "prefix": (cold, warm), "rss": p.rss_mib()}
             print("llama-server", results["llama-server"], flush=True)
@@ -286,10 +302,12 @@ def main(argv=None) -> int:
     lines = [
         "## serve",
         "",
-        f"`python benchmarks/bench_serve.py --threads {args.threads} --load-seconds {args.load_seconds:g}{' --llama-server PATH' if args.llama_server else ''}` on {machine()}; Gemma 3 270M "
-        f"(the packaged Q4_K_M GGUF), {args.threads} threads, greedy completions of {args.tokens} tokens, one server process at a time, each first sent one untimed request. "
-        "Tokens/s: all generated tokens over the wall time; TTFT: mean time to first token; invariant: every request's text and "
-        "per-token log-probabilities bit for bit what it got alone.",
+        f"`python benchmarks/bench_serve.py --threads {args.threads} --load-seconds {args.load_seconds:g} --rounds {args.rounds}{' --llama-server PATH' if args.llama_server else ''}` on {machine()}; Gemma 3 270M "
+        f"(the packaged Q4_K_M GGUF), {args.threads} threads, greedy completions of {args.tokens} tokens, one server process at a time, each first sent one untimed request, "
+        f"then every client count {args.rounds} times in turn. "
+        "Tokens/s: all generated tokens over the wall time, the median of the rounds; vs 1 client: the median of each round's rate over the same round's one-client rate "
+        "(lowest and highest in brackets); TTFT: mean time to first token, the median of the rounds; invariant: every request's text and "
+        "per-token log-probabilities bit for bit what it got alone, in every round.",
         "",
         "| server | clients | tokens/s (all) | vs 1 client | TTFT s | invariant |",
         "|---|---:|---:|---:|---:|---|",
@@ -297,9 +315,9 @@ def main(argv=None) -> int:
     for name, res in results.items():
         if name == "load":
             continue
-        base = res["rows"][0][1]
-        for c, rate, ttft, same in res["rows"]:
-            lines.append(f"| {name} | {c} | {rate:.1f} | {rate / base:.2f}x | {ttft:.2f} | {'yes' if same else '**no**'} |")
+        for c, rate, ttft, same, ratio, lo, hi in res["rows"]:
+            spread = "" if c == 1 else f" ({lo:.2f}-{hi:.2f})"
+            lines.append(f"| {name} | {c} | {rate:.1f} | {ratio:.2f}x{spread} | {ttft:.2f} | {'yes' if same else '**no**'} |")
     lines += ["", "| server | 600-token prefix: TTFT computed | from the cache | speed-up | peak RSS MiB |", "|---|---:|---:|---:|---:|"]
     for name, res in results.items():
         if name != "load":

@@ -122,7 +122,7 @@ def test_text_stream_shows_what_decoding_every_token_shows_from_a_few_tokens_a_p
     s = TextStream(counting)
     ids = list(lm.tokenizer.encode(text * 10))
     shown = "".join(s.push(i) for i in ids)
-    assert shown == lm.tokenizer.decode(ids) and counting.decoded <= 2 * (TextStream.WINDOW + 1) * len(ids)  # not len(ids) ** 2 / 2
+    assert shown == s.text == lm.tokenizer.decode(ids) and counting.decoded <= 2 * (TextStream.WINDOW + 1) * len(ids)  # not len(ids) ** 2 / 2
 
 
 # ------------------------------------------------------------ paged attention against torch

@@ -50,7 +50,11 @@ class TextStream:
         self.tokenizer, self.ids, self.shown = tokenizer, [], ""
         self.hold = max((len(x) for x in stop), default=0)  # the token completing a stop string is shown before the check
         self.start, self.before, self.base = 0, "", ""  # the window's first token, the text before it, and the window's text when last decoded
-        self.text = ""  # the text of all the tokens, as of the last push that ended on a whole character
+
+    @property
+    def text(self) -> str:
+        """The text of all the tokens, as of the last push that ended on a whole character."""
+        return self.before + self.base
 
     def push(self, tok: int) -> str:
         """Add one token; return the text that can be shown now (maybe '')."""
@@ -80,7 +84,6 @@ class TextStream:
             window = self.tokenizer.decode(self.ids[start:])
             if window and text.endswith(window):  # the window decodes alone as it does in the whole
                 self.start, self.before, self.base = start, text[: len(text) - len(window)], window
-        self.text = text
         return text
 
     def finish(self, text: str) -> str:

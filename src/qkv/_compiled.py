@@ -360,12 +360,6 @@ def _as_ints_overload(a):
     return None
 
 
-@njit(cache=True, nogil=True, fastmath={"contract"})
-def _exp_flat(x):  # (N,) in place, every x <= 0 or -inf: x <- exp(x), the step's polynomial
-    for j in range(x.shape[0]):
-        x[j] = _exp(x[j])
-
-
 @njit(cache=True, nogil=True, fastmath={"reassoc"})  # reassoc: the sum in SIMD lanes (blocked, not sequential)
 def _row_sum(row):  # (C,) -> the float64 sum, rounded to the row's dtype: the step's sum of its exponentials
     total = 0.0  # float64 whatever the row: a float32 sum in 8 lanes of 96 terms was a fifth of the tiled path's error
@@ -405,7 +399,7 @@ def softmax_rows(s, keep, use_keep, m, total):  # (R, C) C-contiguous, (R, C) or
             for j in range(cols):
                 row[j] = row[j] - top
     saved = s[odd].copy()  # their scores, before the pass below overwrites them
-    _exp_flat(s.reshape(-1))  # -inf (masked, or a row with nothing kept) -> 0
+    _exp_shifted_(s.reshape(-1), zero)  # the shifts are off already; -inf (masked, or a row with nothing kept) -> 0
     b = 0
     for i in range(rows):
         row = s[i]

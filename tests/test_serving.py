@@ -367,3 +367,41 @@ def test_warm_up_leaves_nothing_behind_and_changes_no_answer(lm):
             s.step()
         answers.append([(p["token"], p["logprob"]) for k, p in events if k == "token" and p.get("token") is not None])
     assert answers[0] == answers[1] and len(answers[0]) == 6
+
+
+def test_an_engine_failure_answers_every_request_with_an_error_and_the_server_goes_on(lm, monkeypatch):
+    """A step that raises (a bug) ends the requests it had with a 500 in OpenAI's shape, streamed or not;
+    their pages go back, and the next request is served. (The events of a step reach the HTTP side
+    together, after the step: this is the path that must still deliver them.)"""
+    import http.client
+    import json
+
+    from qkv.models.serving import scheduler as sched
+    from qkv.models.serving.server import start_server
+
+    def post(port, body):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            r = c.getresponse()
+            return r.status, r.read().decode()
+        finally:
+            c.close()
+
+    real = sched.forward_step
+    with start_server(lm, model_name="m", kv_tokens=512) as srv:
+
+        def broken(*args, **kw):
+            raise RuntimeError("a bug in a step")
+
+        monkeypatch.setattr(sched, "forward_step", broken)
+        status, text = post(srv.port, {"prompt": "Hello", "max_tokens": 4})
+        assert status == 500 and json.loads(text)["error"]["type"] == "server_error"
+        status, text = post(srv.port, {"prompt": "Hello", "max_tokens": 4, "stream": True})
+        assert status == 200  # the stream had begun: the error is its last event
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert events and events[-1]["error"]["type"] == "server_error"
+        assert srv.scheduler.pool.pages_in_use == 0
+        monkeypatch.setattr(sched, "forward_step", real)
+        status, text = post(srv.port, {"prompt": "Hello", "max_tokens": 4})
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4

@@ -14,6 +14,7 @@ import base64
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -139,6 +140,37 @@ async def _read_json(request: HTTPRequest, limits: Limits, model):
 # ------------------------------------------------------------ the app
 
 
+class _Mailbox:
+    """Events from the engine thread to the event loop, delivered once a step, all together.
+
+    Posted one by one (``call_soon_threadsafe`` an event), each event woke the loop, which then held
+    the GIL while the engine thread wanted it back to go on with its step: a server's steps of 8
+    requests spent 2.5-2.8 ms outside the model against 1.4-1.6 in one process without HTTP."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.items: list = []
+        self.lock = threading.Lock()
+
+    def put(self, queue, item) -> None:  # the engine thread, during a step
+        with self.lock:
+            self.items.append((queue, item))
+
+    def flush(self) -> None:  # the engine thread, after each step (Scheduler.after_step)
+        with self.lock:
+            items, self.items = self.items, []
+        if items:
+            try:
+                self.loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+
+
+def _deliver(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 async def _after(first, gen):
     """``first``, then the rest of ``gen`` (its first event was awaited before the response began)."""
     yield first
@@ -151,10 +183,17 @@ class _Server:
         self.scheduler, self.lm, self.model_name, self.limits, self.api_key = scheduler, lm, model_name, limits, api_key
         self._embedder, self.embedding_name = embedder, embedding_name
         self.created = int(time.time())
+        self._mailbox: _Mailbox | None = None
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry()
         self.registry.register(_Figures(scheduler))
+
+    def _mailbox_for(self, loop) -> _Mailbox:
+        if self._mailbox is None or self._mailbox.loop is not loop:  # one loop for a server's life, as a rule
+            self._mailbox = _Mailbox(loop)
+            self.scheduler.after_step.append(self._mailbox.flush)
+        return self._mailbox
 
     def check_key(self, request: HTTPRequest) -> None:
         if self.api_key is None:
@@ -197,17 +236,14 @@ class _Server:
 
     async def _run(self, request: HTTPRequest, prompt: list, n: int, max_tokens: int, sampling: dict, seed, top_logprobs):
         """Submit the choices; yield (choice index, kind, payload) as the engine sends them; cancel on exit."""
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox_for(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()
         deadline = time.monotonic() + self.limits.timeout_s
         reqs = []
 
         def emitter(i):
             def emit(kind, payload):
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, (i, kind, payload))
-                except RuntimeError:  # the loop is closed: nobody listens any more
-                    pass
+                mailbox.put(queue, (i, kind, payload))
 
             return emit
 

@@ -22,7 +22,9 @@ One engine thread owns the model and the pages. Each step it
 
 Requests talk to the HTTP side through a callback: ``emit(event)`` is called
 from the engine thread with ``("token", dict)``, then ``("done", dict)`` or
-``("error", dict)``.
+``("error", dict)``; after every step (and after the requests a failure or
+shutdown ends) the engine thread calls each of :attr:`Scheduler.after_step`, for
+whoever wants a step's events delivered together.
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ class Scheduler:
         self.ttft: list = []  # seconds, the last ones
         self._recent: deque = deque()  # (time, tokens generated) of the last steps: tokens/s
         self.failed: BaseException | None = None
+        #: Callables the engine thread calls after every step (the HTTP side delivers a step's events at once).
+        self.after_step: list = []
 
     # ------------------------------------------------------------ the HTTP side
     def start(self, *, warm_up: bool = True) -> None:
@@ -219,8 +223,14 @@ class Scheduler:
                     with self._cv:
                         self.waiting.clear()
                     self.running = []
+                    self._stepped()
         for req in list(self.running) + list(self.waiting):
             self._finish(req, error="the server is shutting down")
+        self._stepped()
+
+    def _stepped(self) -> None:
+        for f in self.after_step:
+            f()
 
     def _finish(self, req: Request, reason: str | None = None, *, error: str | None = None) -> None:
         if req.pages:
@@ -287,6 +297,13 @@ class Scheduler:
         return [r for r in self.running if r.step_tokens > 0]
 
     def step(self) -> None:
+        """One step: drop, admit, run every running request one token (or a prompt chunk) further, send."""
+        try:
+            self._step()
+        finally:
+            self._stepped()
+
+    def _step(self) -> None:
         now = time.monotonic()
         for req in list(self.running):
             if req.cancelled:

@@ -405,3 +405,22 @@ def test_an_engine_failure_answers_every_request_with_an_error_and_the_server_go
         monkeypatch.setattr(sched, "forward_step", real)
         status, text = post(srv.port, {"prompt": "Hello", "max_tokens": 4})
         assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4
+
+
+def test_greedy_tokens_are_numpys_argmax_whatever_log_probabilities_are_asked_for(lm):
+    """A greedy request asking for log-probabilities takes its token from their search for the maximum;
+    one asking for none takes np.argmax of the logits: the same tokens, and the log-probabilities asked
+    for are the same numbers with or without alternatives."""
+    got = {}
+    for top in (None, 0, 1, 3):
+        events = []
+        s = Scheduler(lm, num_pages=32, page_size=4)
+        for text in ("The capital of France is", "1, 2, 3,"):
+            s.submit(Request(prompt=lm.tokenizer.encode(text), max_tokens=8, emit=lambda k, p, text=text: events.append((text, k, p)), top_logprobs=top))
+        while s.running or s.waiting:
+            s.step()
+        got[top] = [(t, p["token"], p.get("logprob")) for t, k, p in events if k == "token" and p.get("token") is not None]
+        assert all(len(p.get("top", [])) == (top or 0) for _, k, p in events if k == "token" and p.get("token") is not None)
+    tokens = {top: [(t, tok) for t, tok, _ in v] for top, v in got.items()}
+    assert tokens[0] == tokens[1] == tokens[3] == tokens[None] and len(tokens[None]) == 16
+    assert got[0] == got[1] == got[3]

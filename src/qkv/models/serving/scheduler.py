@@ -344,7 +344,9 @@ class Scheduler:
                 self.pool.publish(req.pages[k], req.tokens[k * self.page_size : (k + 1) * self.page_size], parent=req.pages[k - 1] if k else None)
                 req.published += 1
         now = time.monotonic()
-        stats = log_probabilities(logits, [r.top_logprobs for r in want])  # all rows at once, each its own
+        # All rows at once, each its own. A greedy request asking for log-probabilities has the top id found
+        # there too (the first place of the maximum, as np.argmax takes it): no pass of its own over the logits.
+        stats = log_probabilities(logits, [None if r.top_logprobs is None else max(r.top_logprobs, 1 if r.temperature == 0 else 0) for r in want])
         for req, lg, (log_z, top) in zip(want, logits, stats):
             self._sample(req, lg, now, log_z, top)
         self._recent.append((now, len(want)))
@@ -352,7 +354,10 @@ class Scheduler:
             self._recent.popleft()
 
     def _sample(self, req: Request, logits: np.ndarray, now: float, log_z, top) -> None:
-        tok = next_token(logits, temperature=req.temperature, top_p=req.top_p, rng=req.rng)
+        if req.temperature == 0 and top is not None and len(top) and math.isfinite(log_z):
+            tok = int(top[0])  # the argmax, from log_probabilities' search
+        else:
+            tok = next_token(logits, temperature=req.temperature, top_p=req.top_p, rng=req.rng)
         info = {"token": tok}
         if req.top_logprobs is not None:  # log_z and the top ids: engine.log_probabilities
             info["logprob"] = float(logits[tok]) - log_z

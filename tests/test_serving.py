@@ -128,11 +128,14 @@ def test_text_stream_shows_what_decoding_every_token_shows_from_a_few_tokens_a_p
 # ------------------------------------------------------------ paged attention against torch
 
 
-@pytest.mark.parametrize("window,softcap,sinks,alibi", [(None, None, False, False), (5, None, False, False), (None, 30.0, True, False), (3, None, False, True)])
-def test_paged_attention_equals_torch_over_gathered_keys(torch, window, softcap, sinks, alibi):
+@pytest.mark.parametrize(
+    "window,softcap,sinks,alibi,page",
+    [(None, None, False, False, 4), (5, None, False, False, 4), (None, 30.0, True, False, 4), (3, None, False, True, 4), (None, None, False, False, 16), (21, None, False, False, 16)],
+)
+def test_paged_attention_equals_torch_over_gathered_keys(torch, window, softcap, sinks, alibi, page):
     rng = np.random.default_rng(0)
-    Hq, Hk, D, page, P = 4, 2, 16, 4, 12
-    lengths = [7, 1, 11]  # each sequence's tokens; the last 3 of each are this step's queries
+    Hq, Hk, D, P = 4, 2, 16, 12
+    lengths = [7, 1, 11] if page == 4 else [37, 1, 22]  # each sequence's tokens; the last 3 of each are this step's queries
     kp = rng.standard_normal((P, page, Hk, D)).astype(np.float32)
     vp = rng.standard_normal((P, page, Hk, D)).astype(np.float32)
     order = rng.permutation(P)  # pages in any order
@@ -175,6 +178,36 @@ def test_paged_attention_equals_torch_over_gathered_keys(torch, window, softcap,
         w = torch.softmax(s, dim=-1)[..., : p + 1]
         ref = (w @ vv)[:, 0].numpy()  # (Hq, D)
         np.testing.assert_allclose(out[t], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_gives_each_token_the_same_bits_alone_in_a_batch_and_on_any_threads():
+    """A token's output is made from its own keys alone: the same bits in a batch of ragged sequences
+    (pages in any order, a sliding window), alone, and on one thread or two."""
+    from qkv import set_num_threads
+
+    rng = np.random.default_rng(1)
+    Hq, Hk, D, page = 8, 1, 32, 16
+    lengths = [50, 3, 17, 33]
+    P = sum(-(-n // page) for n in lengths)
+    kp = rng.standard_normal((P, page, Hk, D)).astype(np.float32)
+    vp = rng.standard_normal((P, page, Hk, D)).astype(np.float32)
+    table = np.zeros((len(lengths), 4), np.int64)
+    order, used = rng.permutation(P), 0
+    for b, n in enumerate(lengths):
+        table[b, : -(-n // page)] = order[used : used + -(-n // page)]
+        used += -(-n // page)
+    rows = np.arange(len(lengths))
+    positions = np.array(lengths) - 1
+    q = rng.standard_normal((len(lengths), Hq, D)).astype(np.float32)
+    kw = dict(scale=D**-0.5, window=40)
+    runs = []
+    for threads in (1, 2):
+        with set_num_threads(threads):
+            batch = paged_attention(q, kp, vp, table, rows, positions, **kw)
+            alone = [paged_attention(q[t : t + 1], kp, vp, table, rows[t : t + 1], positions[t : t + 1], **kw)[0] for t in range(len(lengths))]
+        assert all(np.array_equal(batch[t], alone[t]) for t in range(len(lengths)))
+        runs.append(batch)
+    assert np.array_equal(runs[0], runs[1])
 
 
 # ------------------------------------------------------------ log-probabilities

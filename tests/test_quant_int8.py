@@ -1,7 +1,7 @@
 """llama.cpp's int8 activations (qkv.models.formats.quant_int8, opt-in): each block type's product equals
 the float64 product of gguf's decoded weights and the activations rounded as llama.cpp's Q8_0 rounds them,
-to float32 rounding; a token's result is the same in any batch; the plain-vector fallback gives the AVX2
-path's bits; the switch is scoped; and a decode step in this mode is the NumPy path's, bit for bit."""
+to float32 rounding; a token's result is the same in any batch; AVX2 and the plain-vector fallback give the
+VNNI path's bits; the switch is scoped; and a decode step in this mode is the NumPy path's, bit for bit."""
 
 import numpy as np
 import pytest
@@ -65,14 +65,24 @@ def test_a_token_gets_the_same_bits_in_any_batch(qtype):
             np.testing.assert_array_equal(together, alone)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K"])
-def test_the_plain_vector_fallback_gives_the_avx2_bits(qtype, monkeypatch):
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_0", "Q6_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("off", [("VNNI",), ("VNNI", "AVX2")])
+def test_the_plain_vector_fallback_and_avx2_give_the_vnni_bits(qtype, off, monkeypatch):
+    """The same integers by vpdpbusd (AVX-512 VNNI, where this CPU has it), by vpmaddubsw + vpmaddwd
+    (AVX2), and by plain vector code: the same bits, extreme bytes included (Q8_0's -128 against
+    activations of +-127, the largest pair vpmaddubsw adds)."""
     rng = np.random.default_rng(3)
     m = _matrix(qtype, 32, 512, rng)
     x = rng.standard_normal((3, 512)).astype(np.float32)
+    if qtype == "Q8_0":  # row 0's first block: every value -128; token 0's first 32 activations +-127 after rounding
+        raw = m.raw.copy()
+        raw[0, 2:34] = 0x80
+        m = QuantizedMatrix(raw, qtype, (32, 512))
+        x[0, :32] = np.where(np.arange(32) % 3 == 0, -1.0, 1.0)
     want = np.empty((3, 32), np.float32)
     quant_int8.matmul_blocks_int8(m.raw, m.d, m.dmin, quants._CODE[qtype], x, want)
-    monkeypatch.setattr(quant_int8, "AVX2", False)  # read when the kernel is generated: a fresh one
+    for flag in off:
+        monkeypatch.setattr(quant_int8, flag, False)  # read when the kernel is generated: a fresh one
     kernel = quant_int8._row_dots_int8(quants._CODE[qtype])
 
     @njit

@@ -101,38 +101,49 @@ def _row_dots_int8(code: int):
                 xs_ = [b.gep(xa.data, [b.mul(t, n_in)]) for t in ts]
                 dxs = [b.gep(sa.data, [b.mul(t, n_runs)]) for t in ts]
                 sums = [b.gep(ua.data, [b.mul(t, n_runs)]) for t in ts]
-                # CHAINS chains of sums a token (the types of one run a block use the first alone)
+                # CHAINS chains of sums a token (the types of one run a block use the first alone); a
+                # K-quant's offsets in 8 lanes, lane j taking each super-block's run j
                 accs = [[cgutils.alloca_once(b, _V8F) for _ in range(CHAINS)] for _ in ts]
-                offs = [[cgutils.alloca_once(b, _F32) for _ in range(CHAINS)] for _ in ts]
-                for acc, off in zip((a for t in accs for a in t), (o for t in offs for o in t)):
+                offs = [cgutils.alloca_once(b, _V8F) for _ in ts]
+                for acc in (a for t in accs for a in t):
                     b.store(ir.Constant(_V8F, None), acc)
-                    b.store(ir.Constant(_F32, 0.0), off)
+                for off in offs:
+                    b.store(ir.Constant(_V8F, None), off)
 
-                def block(blk, chain_of):  # block blk's runs into the chains: run j into chain_of(j)
+                def vec8(base, k):  # 8 floats at base + k (a super-block's 8 runs)
+                    return b.load(b.bitcast(b.gep(base, [k]), _V8F.as_pointer()), align=4)
+
+                with cgutils.for_range(b, n_blocks) as loop:
+                    blk = loop.index
                     at = b.mul(blk, _c(size))
                     _prefetch_block(b, row, at, size)
                     dd = b.load(b.gep(d_row, [blk]))
                     dm = b.load(b.gep(m_row, [blk])) if k_quant else None
-                    for j, run in enumerate(ints_of(b, row, blk, at, dd, dm)):
-                        c = chain_of(j)
+                    runs = ints_of(b, row, blk, at, dd, dm)
+                    scaled = []  # K-quants: each token's 8 run scales times its 8 activation steps, at once
+                    if k_quant:
+                        scales8, mins8 = runs[0].factors8
+                        k0 = b.udiv(runs[0].first, _c(32))
+                        for g in range(group):
+                            sx8 = vec8(dxs[g], k0)
+                            scaled.append(b.fmul(scales8, sx8))
+                            b.store(_fma(b, b.fmul(mins8, sx8), vec8(sums[g], k0), b.load(offs[g])), offs[g])
+                    for j, run in enumerate(runs):  # a super-block's runs alternate between the chains
+                        c = j % CHAINS
                         k = b.udiv(run.first, _c(32))  # the run's index among the row's runs of 32 (its x block)
                         for g in range(group):
                             p = b.sitofp(_dot32(b, run.q, _bytes(b, xs_[g], run.first, 32), run.signed), _V8F)
-                            sx = b.load(b.gep(dxs[g], [k]))
-                            if isinstance(run.scale, tuple):  # a scale for each 16 values: lanes 0-3, then 4-7
+                            if k_quant:
+                                sv = b.shuffle_vector(scaled[g], scaled[g], _vec([j] * 8))
+                            elif isinstance(run.scale, tuple):  # a scale for each 16 values: lanes 0-3, then 4-7
+                                sx = b.load(b.gep(dxs[g], [k]))
                                 sv = b.shuffle_vector(_splat(b, b.fmul(run.scale[0], sx), 4), _splat(b, b.fmul(run.scale[1], sx), 4), _vec(range(8)))
                             else:
-                                sv = _splat(b, b.fmul(run.scale, sx), 8)
+                                sv = _splat(b, b.fmul(run.scale, b.load(b.gep(dxs[g], [k]))), 8)
                             b.store(_fma(b, p, sv, b.load(accs[g][c])), accs[g][c])
-                            if run.offset is not None:
-                                b.store(_fma(b, b.fmul(run.offset, sx), b.load(b.gep(sums[g], [k])), b.load(offs[g][c])), offs[g][c])
-
-                with cgutils.for_range(b, n_blocks) as loop:  # a super-block's runs alternate between the chains
-                    block(loop.index, lambda j: j % CHAINS)
                 for g, t in enumerate(ts):
                     acc = b.fadd(b.load(accs[g][0]), b.load(accs[g][1]))
-                    off = b.fadd(b.load(offs[g][0]), b.load(offs[g][1]))
-                    b.store(b.fsub(_hsum(b, acc), off), b.gep(oa.data, [b.add(b.mul(t, n_out), r)]))
+                    b.store(b.fsub(_hsum(b, acc), _hsum(b, b.load(offs[g]))), b.gep(oa.data, [b.add(b.mul(t, n_out), r)]))
 
             _groups(b, b.extract_value(xa.shape, 0), tokens, 4)  # (groups of 4 measured; 8 not tried)
             return context.get_dummy_value()

@@ -198,7 +198,10 @@ class _Ints:
     """A run of 32 values as integers: ``scale * q`` (a scalar scale, or a pair: one for each 16 values),
     or, for the K-quants, ``scale * q - offset`` with q unsigned; ``run`` indexes the row's runs of 32.
     ``offsets``: instead of ``offset``, the 8 offsets of the run's super-block, on its first run
-    (:data:`_OFFSETS8`; ``factored`` marks the others)."""
+    (:data:`_OFFSETS8`; ``factored`` marks the others). ``factors8``: on a K-quant super-block's first
+    run, its 8 scales and 8 offsets as two <8 x float> (what :mod:`quant_int8` multiplies at once)."""
+
+    factors8 = None
 
     def __init__(self, first, q, scale, offset=None, run=None, offsets=None, factored=False):
         self.first, self.q, self.scale, self.offset, self.run, self.offsets = first, q, scale, offset, run, offsets
@@ -272,6 +275,7 @@ def _ints_k(b, row, blk, at, d, dmin, qs, high):  # Q4_K (high None) / Q5_K: 8 r
         for k, q in enumerate((lo, hi)):
             ds, ms = (b.extract_element(f, _c(2 * g + k, _I32)) for f in (scales, mins))
             runs.append(_Ints(b.add(first, _c(32 * k)), q, ds, ms, b.add(b.mul(blk, _c(8)), _c(2 * g + k))))
+    runs[0].factors8 = (scales, mins)
     return runs
 
 

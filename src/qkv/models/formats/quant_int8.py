@@ -6,13 +6,16 @@ weight is turned into a float and multiplied, about twenty instructions for
 memory. llama.cpp rounds the activations to int8 first, per block of 32
 (``x ~ dx * xq``, ``dx = max |x| / 127``), and multiplies integers: with AVX2,
 ``vpmaddubsw`` and ``vpmaddwd`` give the 32 products of a run summed in 8
-lanes in two instructions. Here, for a row r and token t::
+lanes in two instructions (AVX-512 VNNI: ``vpdpbusd``, one). Here, for a row r and token t::
 
-    acc = 0                                          # 8 float32 lanes
+    acc[0] = acc[1] = 0                              # 8 float32 lanes each
     for each run k of 32 values (in file order):     # the block types' integer runs, quant_simd._ints_<type>
         p = the 32 products q * xq[t, run], summed in 8 lanes of 4    # int32, exact
-        acc = fma(float(p), scale_k * dx[t, k], acc)  # scale_k: the run's (or each 16 values') scale
-    out[t, r] = the lanes of acc added in halves - sum_k offset_k * dx[t, k] * sum(xq[t, run k])  (K-quants)
+        c = the run's place in its block, mod 2      # K-quants: 8 runs a super-block in two chains (CHAINS)
+        acc[c] = fma(float(p), scale_k * dx[t, k], acc[c])  # scale_k: the run's (or each 16 values') scale
+    out[t, r] = the lanes of acc[0] + acc[1] added in halves - sum_k offset_k * dx[t, k] * sum(xq[t, run k])
+
+the K-quants' offsets summed in 8 lanes (lane j: every super-block's run j), then in halves.
 
 The rounding of x is the whole error: each product moves by at most half an
 activation step, ``|d q| * dx / 2``. On Gemma 3 270M it moves logits by a

@@ -14,7 +14,6 @@ import base64
 import json
 import logging
 import secrets
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -149,16 +148,13 @@ class _Mailbox:
 
     def __init__(self, loop):
         self.loop = loop
-        self.items: list = []
-        self.lock = threading.Lock()
+        self.items: list = []  # put and flushed by the engine thread alone: no lock
 
     def put(self, queue, item) -> None:  # the engine thread, during a step
-        with self.lock:
-            self.items.append((queue, item))
+        self.items.append((queue, item))
 
     def flush(self) -> None:  # the engine thread, after each step (Scheduler.after_step)
-        with self.lock:
-            items, self.items = self.items, []
+        items, self.items = self.items, []
         if items:
             try:
                 self.loop.call_soon_threadsafe(_deliver, items)

@@ -490,3 +490,45 @@ def test_the_cache_stamp_changes_with_any_compiled_module(tmp_path, monkeypatch)
     monkeypatch.setattr(_numba_cache, "_stamp", None)
     seen.add(_numba_cache.stamp())
     assert len(seen) == len(_numba_cache.MODULES) + 1
+
+
+def test_attend_cached_is_attend_one_on_its_range_of_the_buffers():
+    """The decoder's in-place attention: keys [first, last) of a cache's whole buffers give attend_one's
+    bits on the copied slice, with a window, a cap and sinks."""
+    rng = np.random.default_rng(5)
+    B, Hq, Hk, cap, D = 2, 6, 3, 40, 16
+    q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hk, cap, D)).astype(np.float32) for _ in range(2))
+    sinks = rng.standard_normal(Hq).astype(np.float32)
+    for first, last, window, softcap, s in [(0, 40, 0, 0.0, None), (7, 29, 0, 0.0, None), (7, 29, 5, 30.0, sinks), (12, 13, 0, 0.0, sinks)]:
+        want = _compiled.attend_one(q, k[:, :, first:last].copy(), v[:, :, first:last].copy(), None, window, 0.25, softcap, s)
+        got = _compiled.attend_cached(q, k, v, first, last, window, 0.25, softcap, s)
+        assert got.dtype == np.float32 and got.shape == (B, Hq, D)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_finish_rows_is_the_numpy_routes_division_and_log_sum_exp(dtype):
+    """A tiled work item's end in one compiled pass: acc / total rounded to the dtype, lse = log(total) +
+    shift; rows that saw nothing give zeros and -inf, a NaN total NaN; written through strided views."""
+    rng = np.random.default_rng(6)
+    G, n, Dv = 2, 9, 5
+    acc = rng.standard_normal((G * n, Dv)) * 3
+    total = rng.random(G * n) * 50 + 0.5
+    m = (rng.standard_normal(G * n) * 4).astype(dtype)
+    total[[1, 10]] = 0  # nothing seen
+    m[[1, 10]] = -np.inf
+    total[4] = np.nan
+    m[7] = -np.inf  # a shift never set (an empty block's row): 0 is added
+    out = np.full((G, 2 * n, Dv), 7, dtype)[:, ::2]  # a view: every other row
+    lse = np.full((G, 2 * n), 7, dtype)[:, 1::2]
+    _compiled.finish_rows(acc, total, m, out, lse)
+    seen = (total > 0) | np.isnan(total)
+    want = (acc / np.where(seen, total, 1)[:, None]).astype(dtype)
+    want[~seen] = 0
+    np.testing.assert_array_equal(out.reshape(G * n, Dv), want)
+    with np.errstate(divide="ignore"):
+        want_lse = np.where(seen, np.log(np.where(seen, total, 1)).astype(dtype) + np.where(np.isfinite(m), m, 0).astype(dtype), -np.inf)
+    np.testing.assert_allclose(lse.reshape(-1), want_lse, rtol=np.finfo(dtype).eps, atol=0)  # libm's log against NumPy's: an ulp at most
+    assert np.isnan(lse.reshape(-1)[4]) and np.isneginf(lse.reshape(-1)[[1, 10]]).all()
+    assert out.dtype == lse.dtype == dtype

@@ -4,11 +4,12 @@ The same step as ``qkv.flash.block_step`` (read that one first: it is the
 reference), done row by row while the row is in the L1 cache, instead of
 NumPy's separate passes over the whole block (max, subtract, exp, sum):
 
-1. one pass: the row's maximum over the kept keys (masked keys become -inf);
+1. one pass: the row's maximum over the kept keys (masked keys become -inf),
+   as an integer maximum of the scores' bits;
 2. the shift update, for the row alone;
-3. one pass: ``exp(s - shift)`` by a polynomial, vectorised by LLVM (AVX2 on
-   this machine: 8 float32 lanes);
-4. one pass: multiply by the exponent factor and add up the row.
+3. one pass: ``exp(s - shift)`` in place by a polynomial, vectorised by LLVM
+   (16 float32 lanes where numba compiles for AVX-512, 8 with AVX2);
+4. one pass: the row's sum, in float64.
 
 Why a polynomial: NumPy's ``exp`` and numba's ``math.exp`` call a scalar
 or generic vector routine per element; torch's fused kernel evaluates a
@@ -17,7 +18,7 @@ Moshier, ``expf``/``exp``): write ``x = n ln 2 + r`` with ``n`` the nearest
 integer to ``x / ln 2`` and ``|r| <= ln(2) / 2``, with ``ln 2`` split in two
 parts so that ``r`` is exact (Cody and Waite); then ``exp(r)`` is a
 polynomial, and ``2^n`` is built directly as the exponent bits of a float,
-in an integer buffer that the last pass reads as floats. Measured error
+in a register. Measured error
 against a float64 (float32 input) or extended-precision (float64 input)
 ``exp``: at most 1 ulp over the range the step uses, ``[-87.3, 8]`` for
 float32 and ``[-708, 8]`` for float64 (``tests/test_compiled.py`` checks it
@@ -46,7 +47,7 @@ from ._numba_cache import install as _install_cache
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
-__all__ = ["block_step", "attend_rows", "softmax_rows", "exp_into", "activation_", "gated_", "layer_norm_", "rms_norm_", "rope_", "attend_one", "exp_scores_"]
+__all__ = ["block_step", "attend_rows", "finish_rows", "softmax_rows", "exp_into", "activation_", "gated_", "layer_norm_", "rms_norm_", "rope_", "attend_one", "attend_cached", "exp_scores_"]
 
 _INF = math.inf
 
@@ -105,33 +106,10 @@ def _exp_parts_overload(x):
     return None
 
 
-@njit(cache=True, nogil=True, fastmath={"contract"})  # contract: fused multiply-adds in the polynomial
-def _exp_pass(row, keep, use_keep, sub, limit, out):  # (C,), (C,) bool, bool, scalar, scalar, (C,) not row -> flag
-    """out <- exp(row - sub) (0 where masked), the row itself left as it is; True if some
-    kept ``row - sub`` exceeds ``limit`` or is NaN.
-
-    One loop: the exponential finished in registers (:func:`_exp`). It had been two, the
-    exponential's two parts stored (a float and its power of two's bits), then a pass
-    multiplying them and summing. In ``block_step`` on a 512 x 768 block (Zen 4, one thread,
-    the old and new steps alternated three times): a row's first block, the long way, 1.8-2.3
-    -> 1.5-1.8 cycles a score; a later block the same, 1.4-1.6 (this pass, :func:`_row_sum`
-    and the copy back against the two passes). The flag is an OR, which LLVM vectorises; a
-    running maximum (a float reduction) would keep this loop scalar and four times slower.
-    """
-    flag = False
-    for j in range(row.shape[0]):
-        x = row[j] - sub
-        if use_keep and not keep[j]:
-            x = row.dtype.type(-_INF)
-        flag |= (x > limit) | (x != x)
-        out[j] = _exp(x)
-    return flag
-
-
 @njit(cache=True, nogil=True, fastmath={"contract"})
 def _exp_shifted_(row, sub):  # (C,) in place: row <- exp(row - sub), every row - sub in range or -inf
-    # (in place, not _exp_pass with out = row: given two names for one array, LLVM's check that they
-    # do not overlap fails and its scalar loop runs, 8.9 cycles a score against 0.86 here)
+    # In place: given two names for one array (an ``out`` that may be the row), LLVM's check that they
+    # do not overlap fails and its scalar loop runs, 8.9 cycles a score against 0.86 here.
     for j in range(row.shape[0]):
         row[j] = _exp(row[j] - sub)
 
@@ -198,22 +176,26 @@ def _max_key(rowbits):  # (C,) a float row's bits as ints -> (the largest float'
 
 
 @njit(cache=True, nogil=True)
-def block_step(s, sbits, keep, use_keep, lo, hi, use_span, m, total, factor, fold, tau, ys):
+def block_step(s, sbits, keep, use_keep, lo, hi, use_span, m, total, factor, fold, tau):
     """The compiled ``qkv.flash.block_step``; see there for the contract.
 
     With ``use_span``, row i's keys outside [lo[i], hi[i]) are hidden: they are
     never read, and come out 0 (the causal diagonal costs what it shows).
 
-    ``sbits`` is ``s`` read as integers of its width; ``ys`` is a float
-    scratch row (C,).
+    ``sbits`` is ``s`` read as integers of its width.
     Returns (moved, grew): whether any row's shift changed, and whether any
     grew (``factor`` then holds each row's rescale, 1 where none).
 
-    A row that has a shift already takes one optimistic pass: exp(s - shift)
-    with the old shift, noting on the way whether any score rose more than
-    ``tau`` above it or is NaN; only then (rare after the first blocks) is the
-    row done again the long way, exactly as NumPy does: maximum, shift, exp.
-    ``tau`` must be in the scores' dtype (so is the comparison).
+    Each row as NumPy does it: the maximum (over the scores' bits, an
+    integer reduction that vectorises), the shift moved only if it rose more
+    than ``tau`` (in the scores' dtype, as the comparison is), then
+    exp(s - shift) in place and the row's sum. Until this session a row with
+    a shift took an optimistic pass first: the exponentials into a scratch
+    row, noting whether any score rose past ``tau``, then the sum and a copy
+    back. The numbers are the same (rounding is monotonic, so the largest
+    ``s - shift`` is ``max(s) - shift``), and the maximum's pass costs less
+    than the scratch row's: a 512 x 768 block of later scores took 0.24 ns a
+    score against 0.36 (Zen 4, one thread, medians of 7 alternated).
     """
     rows, cols = s.shape
     moved = grew = False
@@ -229,16 +211,7 @@ def block_step(s, sbits, keep, use_keep, lo, hi, use_span, m, total, factor, fol
         row, rowbits = s[i, a:b], sbits[i, a:b]
         k = keep[i, a:b] if use_keep else keep[0]
         mi = m[i]
-        if np.isfinite(mi):
-            sub = zero if fold else mi  # folded: the product has subtracted the shift already
-            # use_keep as a literal: numba compiles a version of the pass without the mask test
-            w = ys[: b - a]
-            rose = _exp_pass(row, k, True, sub, tau, w) if use_keep else _exp_pass(row, k, False, sub, tau, w)
-            if not rose:  # no score rose tau above the shift: the exponentials stand
-                total[i] += _row_sum(w)
-                _copy_(row, w)
-                continue
-        # The long way: the maximum first, then the shift, then the exponentials.
+        # The maximum first, then the shift, then the exponentials.
         if use_keep:
             _hide(row, k)
         top_bits, bad = _max_key(rowbits)
@@ -269,7 +242,7 @@ def block_step(s, sbits, keep, use_keep, lo, hi, use_span, m, total, factor, fol
 
 
 @njit(cache=True, nogil=True)
-def attend_rows(qx, kx, vx, m, total, acc, seg_j0, seg_j1, i0, n, G, offset, left, right, edge_rows, tau, sbuf, tmp, factor, ys, lo, hi):
+def attend_rows(qx, kx, vx, m, total, acc, seg_j0, seg_j1, i0, n, G, offset, left, right, edge_rows, tau, sbuf, tmp, factor, lo, hi):
     """One work item of the tiled path in compiled code: ``n`` query positions (x ``G`` heads) over the
     key segments [seg_j0[t], seg_j1[t]), with no mask and the shift folded into the product.
 
@@ -281,8 +254,7 @@ def attend_rows(qx, kx, vx, m, total, acc, seg_j0, seg_j1, i0, n, G, offset, lef
 
     qx (G n, D + 1) scaled queries with the fold column; kx (S, D + 1) keys with a column of ones;
     vx (S, Dv); m, total (G n,); acc (G n, Dv) float64; sbuf, tmp flat scratch of the compute dtype,
-    large enough for a (G n, max segment) block and (G n, Dv); factor (G n,); ys the step's
-    row scratch (max segment,); lo, hi (G n,) integer scratch.
+    large enough for a (G n, max segment) block and (G n, Dv); factor (G n,); lo, hi (G n,) integer scratch.
     """
     rows = G * n
     D = qx.shape[1] - 1
@@ -322,12 +294,12 @@ def attend_rows(qx, kx, vx, m, total, acc, seg_j0, seg_j1, i0, n, G, offset, lef
                 sblk = sbuf[: nr * w].reshape(nr, w)
                 np.dot(qx[r0:r1], kx[j0 + c0 : j0 + c1].T, sblk)  # scores * scale - m
                 if full:
-                    moved, grew = block_step(sblk, _as_ints(sblk), dummy_keep, False, lo, hi, False, m[r0:r1], total[r0:r1], factor[r0:r1], True, tau, ys)
+                    moved, grew = block_step(sblk, _as_ints(sblk), dummy_keep, False, lo, hi, False, m[r0:r1], total[r0:r1], factor[r0:r1], True, tau)
                 else:
                     for r in range(r0, r1):  # spans relative to the piece
                         lo[r] -= c0
                         hi[r] -= c0
-                    moved, grew = block_step(sblk, _as_ints(sblk), dummy_keep, False, lo[r0:r1], hi[r0:r1], True, m[r0:r1], total[r0:r1], factor[r0:r1], True, tau, ys)
+                    moved, grew = block_step(sblk, _as_ints(sblk), dummy_keep, False, lo[r0:r1], hi[r0:r1], True, m[r0:r1], total[r0:r1], factor[r0:r1], True, tau)
                     for r in range(r0, r1):
                         lo[r] += c0
                         hi[r] += c0
@@ -344,6 +316,34 @@ def attend_rows(qx, kx, vx, m, total, acc, seg_j0, seg_j1, i0, n, G, offset, lef
                 for r in range(nr):
                     for d in range(Dv):
                         acc[r0 + r, d] += tblk[r, d]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")  # numpy: no zero-division check, so the division vectorises
+def finish_rows(acc, total, m, out, lse):  # (G n, Dv) float64, (G n,) float64, (G n,), (G, n, Dv), (G, n) -> out, lse written
+    """A work item's end, as the Python loop of ``qkv.flash.tiled_attention`` writes it with NumPy:
+    each row of ``acc`` divided by its ``total`` and rounded to the output's dtype, and its
+    log-sum-exp ``log(total)`` (rounded) plus the shift ``m`` (0 where none); a row that saw nothing
+    (``total`` 0) gives zeros and -inf, a NaN total NaN.
+
+    In NumPy those were a dozen small operations on arrays fresh from the allocator, with the caches
+    full of the item's scores: 9 ms of Python and NumPy in an attention at N = 2,048 (8 heads, one
+    thread, 110 ms; cProfile), 2 ms with this pass.
+    """
+    G, n, Dv = out.shape
+    dt = out.dtype.type
+    for g in range(G):
+        for a in range(n):
+            r = g * n + a
+            t = total[r]
+            if t > 0 or t != t:  # NaN: seen, and NaN flows on
+                for d in range(Dv):
+                    out[g, a, d] = dt(acc[r, d] / t)
+                shift = m[r] if np.isfinite(m[r]) else dt(0)
+                lse[g, a] = dt(math.log(t)) + shift
+            else:
+                for d in range(Dv):
+                    out[g, a, d] = dt(0)
+                lse[g, a] = dt(-_INF)
 
 
 def _as_ints(a):  # pragma: no cover - a stub: numba compiles the overload below in its place
@@ -417,7 +417,8 @@ def softmax_rows(s, keep, use_keep, m, total):  # (R, C) C-contiguous, (R, C) or
 @njit(cache=True, nogil=True)
 def exp_into(x, out):  # (n,), (n,) not x -> the sum, as the step rounds it: out <- exp(x)
     """The step's exponential over a 1-D array, for tests: exp(x) for x in the supported range."""
-    _exp_pass(x, x != x, False, x.dtype.type(0), x.dtype.type(_INF), out)
+    _copy_(out, x)
+    _exp_shifted_(out, x.dtype.type(0))
     return _row_sum(out)
 
 
@@ -735,11 +736,12 @@ def exp_scores_(s, m, sinks, h):  # (n,) scores in place, their max, (H,) or (0,
     return total
 
 
-def _attend_one(q, k, v, keep, window, scale, softcap, sinks, out):  # (B, Hq, D), (B, Hk, S, D), (B, Hk, S, Dv), (B, S) bool or (0, 0), int, f, f, (Hq,) or (0,), (B, Hq, Dv)
+def _attend_one(q, k, v, first, S, keep, window, scale, softcap, sinks, out):  # (B, Hq, D), (B, Hk, >= S, D), (B, Hk, >= S, Dv), int, int, (B, S - first) bool or (0, 0), int, f, f, (Hq,) or (0,), (B, Hq, Dv)
+    # The keys are k[:, :, first:S] (a cache's buffers are passed whole: a view's loops compile without vector code).
     B, Hq, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
+    Hk = k.shape[1]
     group = Hq // Hk  # grouped-query attention: Hq / Hk query heads read one key head
-    lo = 0 if window <= 0 else max(0, S - window)  # the query sits at the last key (bottom-right causal)
+    lo = first if window <= 0 else max(first, S - window)  # the query sits at the last key (bottom-right causal)
     for it in prange(B * Hq):
         b, hq = it // Hq, it % Hq
         hk = hq // group
@@ -747,7 +749,7 @@ def _attend_one(q, k, v, keep, window, scale, softcap, sinks, out):  # (B, Hq, D
         m = np.float32(-np.inf)  # float32: see exp_scores_
         seen = False
         for j in range(lo, S):
-            if keep.shape[0] and not keep[b, j]:
+            if keep.shape[0] and not keep[b, j - first]:
                 s[j - lo] = -np.inf
                 continue
             seen = True
@@ -796,5 +798,23 @@ def attend_one(q, k, v, keep, window: int, scale: float, softcap: float, sinks) 
         from .threads import use_numba_threads
 
         use_numba_threads()
-    _ATTEND_ONE[0 if parallel else 1](q, k, v, keep, int(window), np.float32(scale), np.float32(softcap), sinks, out)
+    _ATTEND_ONE[0 if parallel else 1](q, k, v, 0, k.shape[2], keep, int(window), np.float32(scale), np.float32(softcap), sinks, out)
     return out
+
+
+def attend_cached(q, k, v, first: int, last: int, window: int, scale: float, softcap: float, sinks) -> np.ndarray:  # (B, Hq, D), (B, Hk, cap, D), (B, Hk, cap, Dv) C-contiguous buffers, ... -> (B, Hq, Dv)
+    """:func:`attend_one` over keys ``k[:, :, first:last]`` of a cache's buffers, read in place (no mask)."""
+    B, Hq, _ = q.shape
+    out = np.empty((B, Hq, v.shape[-1]), np.float32)
+    sinks = _NO_SINKS if sinks is None else np.asarray(sinks, np.float32)
+    parallel = B * Hq * (last - first) * k.shape[3] >= ATTEND_ONE_PARALLEL_MIN
+    if parallel:
+        from .threads import use_numba_threads
+
+        use_numba_threads()
+    _ATTEND_ONE[0 if parallel else 1](q, k, v, first, last, _NO_KEEP, int(window), np.float32(scale), np.float32(softcap), sinks, out)
+    return out
+
+
+_NO_KEEP = np.zeros((0, 0), np.bool_)
+_NO_SINKS = np.zeros(0, np.float32)

@@ -158,12 +158,11 @@ def _compiled_step(s, keep, m, total, fold: bool, span=None):
 
     rows, cols = s.shape
     ints = np.int32 if s.dtype == np.float32 else np.int64
-    ys = scratch("ys", (cols,), s.dtype)
     factor = scratch("factor", (rows,), s.dtype)
     use_keep = keep is not None
     keep = np.ascontiguousarray(keep) if use_keep else _NO_KEEP
     lo, hi = _NO_SPAN if span is None else span
-    moved, grew = kernel(s, s.view(ints), keep, use_keep, lo, hi, span is not None, m, total, factor, fold, s.dtype.type(TAU), ys)
+    moved, grew = kernel(s, s.view(ints), keep, use_keep, lo, hi, span is not None, m, total, factor, fold, s.dtype.type(TAU))
     return moved, (factor if grew else None)
 
 
@@ -475,7 +474,7 @@ def _attend_compiled(qx, kx, vx, m, total, acc, segments, i0, n, G, offset, wind
     seg = np.array([(j0, j1) for j0, j1, _ in segments], np.int64).reshape(-1, 2)
     attend_rows(qx, kx, vx, m, total, acc, seg[:, 0].copy(), seg[:, 1].copy(), i0, n, G, offset, left, right, EDGE_ROWS, dt.type(TAU),
                 scratch("s", (rows * width,), dt), scratch("tmp_c", (rows * Dv,), dt), scratch("factor", (rows,), dt),
-                scratch("ys", (width,), dt), scratch("lo", (rows,), np.int64), scratch("hi", (rows,), np.int64))  # fmt: skip
+                scratch("lo", (rows,), np.int64), scratch("hi", (rows,), np.int64))  # fmt: skip
 
 
 def _with_mods(keep, var, bflat, hk, G, i0, i1, j0, j1, n, partial):
@@ -627,16 +626,21 @@ def tiled_attention(p, *, dropout_p: float = 0.0, dropout_key=None, workers: int
                     acc[r] += tmp[r]
         if sink is not None:
             acc *= add_sink_(m, total, sink)[:, None]
+        o = out[bidx + (hk, slice(None), slice(i0, i1))]  # (G, n, Dv)
+        row_lse = lse[bidx + (hk, slice(None), slice(i0, i1))]  # (G, n)
+        if step is _compiled_step:  # the same numbers in one compiled pass (see qkv._compiled.finish_rows)
+            from ._compiled import finish_rows
+
+            finish_rows(acc, total, m, o, row_lse)
+            return
         nan = np.isnan(total)
         seen = (total > 0) | nan
         res = (acc / np.where(seen, total, 1)[:, None]).astype(dt)
         res[~seen] = 0
-        o = out[bidx + (hk, slice(None), slice(i0, i1))]
         o[...] = res.reshape(G, n, Dv)
         shift = np.where(np.isfinite(m), m, 0).astype(dt)
         with np.errstate(divide="ignore", invalid="ignore"):
-            row_lse = np.where(seen, np.log(np.where(seen, total, 1)).astype(dt) + shift, -np.inf)
-        lse[bidx + (hk, slice(None), slice(i0, i1))] = row_lse.reshape(G, n)
+            row_lse[...] = np.where(seen, np.log(np.where(seen, total, 1)).astype(dt) + shift, -np.inf).reshape(G, n)
 
     # Heaviest first (most visible keys): under a causal mask the last query blocks see the most
     # keys, and started last they would leave a worker idle at the end (longest-job-first).

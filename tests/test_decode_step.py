@@ -11,6 +11,7 @@ from qkv.models import load_causal_lm
 from qkv.models.engines import decode_step
 from qkv.models.formats.quants import QuantizedMatrix
 from qkv.models.load import default_causal_lm_path
+from test_decoder import LONG
 from test_gguf_families import _model
 
 
@@ -43,6 +44,38 @@ def test_gemma_decode_steps_are_the_numpy_paths_floats(gemma, monkeypatch):
         got = _steps(gemma, batch, 10, monkeypatch, True)
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, want)
+
+
+class _OtherCache:  # a cache that is not a qkv.KVCache: the decoder can only call its update()
+    def __init__(self, cache):
+        self.inner, self.layers = cache, cache.layers
+
+    def __len__(self):
+        return len(self.inner)
+
+    def update(self, layer, key, value):
+        return self.inner.update(layer, key, value)
+
+
+def test_attention_read_in_the_cache_gives_the_updates_floats_across_the_window(gemma):
+    """A decode step attends over a KVCache's buffers where they lie (decoder's in-place route); a cache
+    seen only through update() takes the views and attend_one's copy of them: the same logits bit for
+    bit, one token at a time across the 512-key window of the sliding layers, and the same cache."""
+    assert any(w is not None for w in gemma.config.windows)
+    ids = gemma.tokenizer.encode(LONG)[:520]
+    runs, caches = [], []
+    for wrap in (False, True):
+        cache = gemma.new_cache()
+        seen = _OtherCache(cache) if wrap else cache
+        out = [gemma.forward(ids[:505], seen, logits_to_keep=1).logits[0, -1]]
+        out += [gemma.forward(ids[t : t + 1], seen).logits[0, -1] for t in range(505, 520)]
+        runs.append(np.stack(out))
+        caches.append(cache)
+    np.testing.assert_array_equal(runs[0], runs[1])
+    for a, b in zip(*(c.layers for c in caches)):
+        assert (a.stored, a.seen) == (b.stored, b.seen)
+        for x, y in zip(a.keys_values(), b.keys_values()):
+            np.testing.assert_array_equal(x, y)
 
 
 def test_a_decode_step_really_takes_the_compiled_calls(gemma, monkeypatch):

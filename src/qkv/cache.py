@@ -123,6 +123,16 @@ class LayerCache:
         """
         k = as_array(key, "key", min_ndim=2)
         v = as_array(value, "value", min_ndim=2)
+        start, end = self._append(k, v)
+        return self._k[..., start:end, :], self._v[..., start:end, :]
+
+    def _append(self, k: np.ndarray, v: np.ndarray) -> tuple[int, int]:  # (..., Hk, n, D), (..., Hk, n, Dv) arrays
+        """:meth:`update`'s work, without its views: appends ``k`` and ``v`` and returns [start, end), the
+        positions along the buffers' sequence axis (``self._k``, ``self._v``) the new queries attend over.
+
+        The compiled decode step reads the buffers from there itself (``decoder``): the views, and the
+        copy its attention made of them, were a fifth of the Python between a layer's compiled calls.
+        """
         n = k.shape[-2]
         if v.shape[-2] != n or v.shape[:-2] != k.shape[:-2]:
             raise ValueError(f"key and value should agree but in the last dim, got key {k.shape} and value {v.shape}")
@@ -151,10 +161,10 @@ class LayerCache:
         self._v[..., self._end : self._end + n, :] = v
         self._end += n
         self.seen += n
-        out = self.keys_values()
+        start, end = self._start, self._end
         if self.window is not None:  # from now on only the last window - 1 are kept
             self._start = max(self._start, self._end - (self.window - 1))
-        return out
+        return start, end
 
 
 class KVCache:

@@ -278,7 +278,13 @@ class QuantizedMatrix:
 
     def dequantize(self, rows=None, *, kernel: str | None = None) -> np.ndarray:
         """Rows (a slice, an index array, or all) as float32: (n, in)."""
-        idx = np.arange(self.shape[0])[rows] if rows is not None else None
+        n = self.shape[0]
+        if rows is None:
+            idx = None
+        elif isinstance(rows, np.ndarray) and rows.dtype.kind in "iu" and rows.ndim == 1 and rows.size and 0 <= rows.min() and rows.max() < n:
+            idx = rows  # ids in range (an embedding lookup, a token a step): no arange of every row to index
+        else:
+            idx = np.arange(n)[rows]  # NumPy's indexing rules and errors for anything else
         raw = self.raw if idx is None else _read_only(self.raw[idx])
         if (kernel or _default_kernel()) == "numpy":
             return dequantize_rows(raw, self.qtype, self.shape[1])

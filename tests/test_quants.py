@@ -265,3 +265,21 @@ def test_loading_keeps_the_file_out_of_resident_memory():
               "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; print(int(hwm) // 1024, lm.nbytes // 2**20)")  # fmt: skip
     peak, weights = map(int, subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True).stdout.split())
     assert weights < 300 and peak < 680, (peak, weights)  # 264 MiB of weights; 536 MiB here, 767 when the blocks were copied
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefill_tiles_are_shared_evenly_by_the_workers(threads):
+    """Tiles of at most TILE_ROWS rows whose number the workers share evenly: the busiest worker multiplies
+    at most a few rows more than an even share (a 768-row matrix in three tiles of 256 gave one of two
+    workers 512 rows, a third more than its share)."""
+    import qkv
+    from qkv.models.formats import quants
+
+    with qkv.set_num_threads(threads):
+        for rows in (1, 5, 200, 256, 257, 768, 1280, 2048, 4096, 262144):
+            step = quants._tile_rows(rows)
+            tiles = -(-rows // step)
+            assert 1 <= step <= quants.TILE_ROWS and tiles * step >= rows
+            if rows >= 8 * threads:
+                busiest = -(-tiles // threads) * step  # rows of the worker with the most tiles
+                assert busiest <= 1.01 * rows / threads + threads, (rows, step, tiles)

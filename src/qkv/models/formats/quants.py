@@ -396,9 +396,11 @@ def _tile_rows(rows: int) -> int:
     from ..._parallel import check_workers
 
     workers = check_workers(None)
+    if workers == 1:
+        return max(1, min(TILE_ROWS, rows))
     n = -(-rows // TILE_ROWS)  # tiles of at most TILE_ROWS rows
     n = -(-n // workers) * workers  # as many for each worker
-    return max(1, -(-rows // n))
+    return -(-rows // n)
 
 
 class StackedMatrix:

@@ -494,15 +494,18 @@ def test_the_cache_stamp_changes_with_any_compiled_module(tmp_path, monkeypatch)
 
 def test_attend_cached_is_attend_one_on_its_range_of_the_buffers():
     """The decoder's in-place attention: keys [first, last) of a cache's whole buffers give attend_one's
-    bits on the copied slice, with a window, a cap and sinks."""
+    bits on the copied slice, with a window, a cap, sinks and a mask over those keys."""
     rng = np.random.default_rng(5)
     B, Hq, Hk, cap, D = 2, 6, 3, 40, 16
     q = rng.standard_normal((B, Hq, D)).astype(np.float32)
     k, v = (rng.standard_normal((B, Hk, cap, D)).astype(np.float32) for _ in range(2))
     sinks = rng.standard_normal(Hq).astype(np.float32)
-    for first, last, window, softcap, s in [(0, 40, 0, 0.0, None), (7, 29, 0, 0.0, None), (7, 29, 5, 30.0, sinks), (12, 13, 0, 0.0, sinks)]:
-        want = _compiled.attend_one(q, k[:, :, first:last].copy(), v[:, :, first:last].copy(), None, window, 0.25, softcap, s)
-        got = _compiled.attend_cached(q, k, v, first, last, window, 0.25, softcap, s)
+    for first, last, window, softcap, s, masked in [(0, 40, 0, 0.0, None, False), (7, 29, 0, 0.0, None, True), (7, 29, 5, 30.0, sinks, True), (12, 13, 0, 0.0, sinks, False)]:
+        keep = rng.random((B, last - first)) > 0.3 if masked else None
+        if masked:
+            keep[1] = False  # a row with nothing to attend to: zeros
+        want = _compiled.attend_one(q, k[:, :, first:last].copy(), v[:, :, first:last].copy(), keep, window, 0.25, softcap, s)
+        got = _compiled.attend_cached(q, k, v, first, last, keep, window, 0.25, softcap, s)
         assert got.dtype == np.float32 and got.shape == (B, Hq, D)
         np.testing.assert_array_equal(got, want)
 

@@ -78,6 +78,29 @@ def test_attention_read_in_the_cache_gives_the_updates_floats_across_the_window(
             np.testing.assert_array_equal(x, y)
 
 
+def test_attention_read_in_the_cache_gives_the_updates_floats_in_a_padded_batch(gemma):
+    """The same with an attention mask (two prompts, left-padded) past the window: the kept keys' part
+    of the mask goes with the buffers, and a padded row's keys stay hidden."""
+    long = gemma.tokenizer.encode(LONG)
+    prompts = [long[:505], long[7:500]]
+    width = max(map(len, prompts))
+    ids = np.zeros((2, width), np.int64)
+    mask = np.zeros((2, width), bool)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :], mask[b, width - len(p) :] = p, True
+    runs = []
+    for wrap in (False, True):
+        cache = gemma.new_cache()
+        seen = _OtherCache(cache) if wrap else cache
+        m = mask.copy()
+        out = [gemma.forward(ids, seen, attention_mask=m, logits_to_keep=1).logits[:, -1]]
+        for _ in range(12):  # over 512 keys on the sliding layers
+            m = np.concatenate([m, np.ones((2, 1), bool)], axis=1)
+            out.append(gemma.forward(out[-1].argmax(-1)[:, None], seen, attention_mask=m).logits[:, -1])
+        runs.append(np.stack(out))
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
 def test_a_decode_step_really_takes_the_compiled_calls(gemma, monkeypatch):
     calls = []
     real = decode_step.block

@@ -802,17 +802,18 @@ def attend_one(q, k, v, keep, window: int, scale: float, softcap: float, sinks) 
     return out
 
 
-def attend_cached(q, k, v, first: int, last: int, window: int, scale: float, softcap: float, sinks) -> np.ndarray:  # (B, Hq, D), (B, Hk, cap, D), (B, Hk, cap, Dv) C-contiguous buffers, ... -> (B, Hq, Dv)
-    """:func:`attend_one` over keys ``k[:, :, first:last]`` of a cache's buffers, read in place (no mask)."""
+def attend_cached(q, k, v, first: int, last: int, keep, window: int, scale: float, softcap: float, sinks) -> np.ndarray:  # (B, Hq, D), (B, Hk, cap, D), (B, Hk, cap, Dv) C-contiguous buffers, (B, last - first) bool or None, ... -> (B, Hq, Dv)
+    """:func:`attend_one` over keys ``k[:, :, first:last]`` of a cache's buffers, read in place."""
     B, Hq, _ = q.shape
     out = np.empty((B, Hq, v.shape[-1]), np.float32)
+    keep = _NO_KEEP if keep is None else np.ascontiguousarray(keep, np.bool_)
     sinks = _NO_SINKS if sinks is None else np.asarray(sinks, np.float32)
     parallel = B * Hq * (last - first) * k.shape[3] >= ATTEND_ONE_PARALLEL_MIN
     if parallel:
         from .threads import use_numba_threads
 
         use_numba_threads()
-    _ATTEND_ONE[0 if parallel else 1](q, k, v, first, last, _NO_KEEP, int(window), np.float32(scale), np.float32(softcap), sinks, out)
+    _ATTEND_ONE[0 if parallel else 1](q, k, v, first, last, keep, int(window), np.float32(scale), np.float32(softcap), sinks, out)
     return out
 
 

@@ -380,7 +380,7 @@ class CausalLM:
         # A decode step: one query a row, one compiled loop (the general path's checks and temporaries
         # took 0.2 ms a layer), the same causal, window, cap and sinks.
         one = L == 1 and not output_attentions and self._alibi is None and _flash.KERNEL == "numba"
-        in_place = one and key_mask is None and isinstance(cache, KVCache)
+        in_place = one and isinstance(cache, KVCache)
 
         def attend(i, q, k, v):  # (B, Hq, L, D), (B, Hk, L, D) x 2 -> (B, Hq, L, D), weights or None
             window = cfg.windows[i]
@@ -390,7 +390,8 @@ class CausalLM:
                 from ..._compiled import attend_cached
 
                 first, last = c._append(k, v)
-                o = attend_cached(q[:, :, 0], c._k, c._v, first, last, window or 0, cfg.query_scale, cfg.attn_softcap or 0.0, self.layers[i].sinks)
+                keep = None if key_mask is None else key_mask[:, 0, 0, first - last :]  # the kept keys' part of the mask
+                o = attend_cached(q[:, :, 0], c._k, c._v, first, last, keep, window or 0, cfg.query_scale, cfg.attn_softcap or 0.0, self.layers[i].sinks)
                 return o[:, :, None], None
             if cache is not None:
                 k, v = cache.update(i, k, v)  # (B, Hk, S, D): the kept keys, then these

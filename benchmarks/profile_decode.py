@@ -69,10 +69,11 @@ def instrument(lm):
     dec.matmul = product
     dec.scaled_dot_product_attention = timed("attention (18 layers)", dec.scaled_dot_product_attention)  # prefill
     qkv._compiled.attend_one = timed("attention (18 layers)", qkv._compiled.attend_one)  # a decode step's (read at each call)
+    qkv._compiled.attend_cached = timed("attention (18 layers)", qkv._compiled.attend_cached)  # the same, on a KVCache's buffers
     dec.apply_rope = timed("RoPE", dec.apply_rope)
     dec.rms_norm = timed("query and key norms", dec.rms_norm)
     ModelConfig.normalize = timed("RMS norms (4 a layer, final)", ModelConfig.normalize)
-    qkv.cache.KVCache.update = timed("KV cache append", qkv.cache.KVCache.update)
+    qkv.cache.LayerCache._append = timed("KV cache append", qkv.cache.LayerCache._append)  # update()'s work, and a decode step's
     return seconds, nbytes
 
 

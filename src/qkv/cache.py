@@ -130,8 +130,8 @@ class LayerCache:
         """:meth:`update`'s work, without its views: appends ``k`` and ``v`` and returns [start, end), the
         positions along the buffers' sequence axis (``self._k``, ``self._v``) the new queries attend over.
 
-        The compiled decode step reads the buffers from there itself (``decoder``): the views, and the
-        copy its attention made of them, were a fifth of the Python between a layer's compiled calls.
+        A decode step's attention reads the buffers from there itself (``decoder``): the views, and the
+        copy the attention made of them, took some 0.3 ms of a 6 ms token (the Llama file, one thread).
         """
         n = k.shape[-2]
         if v.shape[-2] != n or v.shape[:-2] != k.shape[:-2]:

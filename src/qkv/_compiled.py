@@ -194,8 +194,8 @@ def block_step(s, sbits, keep, use_keep, lo, hi, use_span, m, total, factor, fol
     row, noting whether any score rose past ``tau``, then the sum and a copy
     back. The numbers are the same (rounding is monotonic, so the largest
     ``s - shift`` is ``max(s) - shift``), and the maximum's pass costs less
-    than the scratch row's: a 512 x 768 block of later scores took 0.24 ns a
-    score against 0.36 (Zen 4, one thread, medians of 7 alternated).
+    than the scratch row's: right after each 512 x 768 block's product, 0.38-0.39
+    ns a score against 0.40-0.41 (Zen 4, one thread, two alternated runs).
     """
     rows, cols = s.shape
     moved = grew = False
@@ -786,20 +786,10 @@ def attend_one(q, k, v, keep, window: int, scale: float, softcap: float, sinks) 
     one loop over its keys; a row whose keys are all masked gives zeros. ``window`` > 0: only the last
     ``window`` keys; ``softcap`` > 0: scores capped as Gemma 2's; ``sinks`` (Hq,): a logit per head that
     takes its share of the softmax and gives no value."""
-    B, Hq, _ = q.shape
-    out = np.empty((B, Hq, v.shape[-1]), np.float32)
     # A cache's keys are a view (its rows, then room to grow): numba compiles a view's loops without vector
     # code (its strides unknown until run), which made eight rows' attention 8x slower than on a copy.
     k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-    keep = np.zeros((0, 0), np.bool_) if keep is None else keep
-    sinks = np.zeros(0, np.float32) if sinks is None else np.asarray(sinks, np.float32)
-    parallel = B * Hq * k.shape[2] * k.shape[3] >= ATTEND_ONE_PARALLEL_MIN
-    if parallel:
-        from .threads import use_numba_threads
-
-        use_numba_threads()
-    _ATTEND_ONE[0 if parallel else 1](q, k, v, 0, k.shape[2], keep, int(window), np.float32(scale), np.float32(softcap), sinks, out)
-    return out
+    return attend_cached(q, k, v, 0, k.shape[2], keep, window, scale, softcap, sinks)
 
 
 def attend_cached(q, k, v, first: int, last: int, keep, window: int, scale: float, softcap: float, sinks) -> np.ndarray:  # (B, Hq, D), (B, Hk, cap, D), (B, Hk, cap, Dv) C-contiguous buffers, (B, last - first) bool or None, ... -> (B, Hq, Dv)

@@ -156,7 +156,7 @@ def _compiled_step(s, keep, m, total, fold: bool, span=None):
     """``block_step`` by the numba kernel (``qkv._compiled``): the same contract."""
     from ._compiled import block_step as kernel
 
-    rows, cols = s.shape
+    rows = s.shape[0]
     ints = np.int32 if s.dtype == np.float32 else np.int64
     factor = scratch("factor", (rows,), s.dtype)
     use_keep = keep is not None

@@ -308,8 +308,8 @@ def _ints_q6_k(b, row, blk, at, d, dmin):  # 210 bytes: 128 low nibbles, 64 of 2
     return runs
 
 
-# The same integer runs for the float kernels, built from 8 bytes at a time: each 8 bytes widened to
-# <8 x i32> as they are loaded (one vpmovzxbd from memory), the nibbles and high bits then taken with
+# The same integer runs for the float kernels, built from 8 bytes at a time (16 with AVX-512): each widened to
+# 32-bit lanes as they are loaded (one vpmovzxbd from memory), the nibbles and high bits then taken with
 # shifts and masks on 32-bit lanes, and converted by one vcvtdq2ps each. The byte-vector forms above,
 # converted to float, cost some eight byte-to-lane shuffles a run (vextracti128, vpshufd, vpmovzxbd
 # from a register) on the two vector ports that also shift; here a Q4_K run takes two widening loads
@@ -332,10 +332,20 @@ def _cat4(b, parts):  # four <8 x i32> -> <32 x i32>, in order
     return b.shuffle_vector(lo, hi, _vec(range(32)))
 
 
+def _nibbles32(b, row, at):  # 16 bytes at row + at -> <32 x i32>: their low nibbles, then their high ones
+    """With AVX-512 the 16 bytes widen in one load to 16 lanes (one vpmovzxbd zmm), so each half is one
+    zmm register; with AVX2, two 8-byte loads to 8 lanes, joined (:func:`_cat4`). Joining 8-lane halves
+    with AVX-512 cost a vinserti64x4 each on the shuffle ports: a Q4_K super-block took 1.13-1.15x the
+    time in the L2 cache (one token, one thread, Zen 4)."""
+    if AVX512:
+        v = b.zext(_bytes(b, row, at, 16), _V16I)
+        return b.shuffle_vector(b.and_(v, ir.Constant(_V16I, 15)), b.lshr(v, ir.Constant(_V16I, 4)), _vec(range(32)))
+    c = [_zx8(b, row, b.add(at, _c(8 * k))) for k in range(2)]  # bytes 0-7, 8-15
+    return _cat4(b, [b.and_(c[0], _i8x(15)), b.and_(c[1], _i8x(15)), b.lshr(c[0], _i8x(4)), b.lshr(c[1], _i8x(4))])
+
+
 def _wide_q4_0(b, row, blk, at, d, dmin):  # as _ints_q4_0
-    c = [_zx8(b, row, b.add(at, _c(2 + 8 * k))) for k in range(2)]  # bytes 0-7, 8-15
-    nib = [b.and_(c[0], _i8x(15)), b.and_(c[1], _i8x(15)), b.lshr(c[0], _i8x(4)), b.lshr(c[1], _i8x(4))]
-    return [_Ints(b.mul(blk, _c(32)), _cat4(b, [b.sub(v, _i8x(8)) for v in nib]), d)]
+    return [_Ints(b.mul(blk, _c(32)), b.sub(_nibbles32(b, row, b.add(at, _c(2))), ir.Constant(ir.VectorType(_I32, 32), 8)), d)]
 
 
 def _wide_q5_0(b, row, blk, at, d, dmin):  # as _ints_q5_0: value k's fifth bit is bit k of the 32-bit qh
@@ -380,12 +390,13 @@ def _wide_q4_k(b, row, blk, at, d, dmin):  # as _ints_q4_k, the 8 offsets togeth
     runs = []
     scales, mins = _k_factors8(b, row, at, d, dmin)
     for g in range(4):  # sub-blocks 2g (low nibbles of 32 bytes) and 2g + 1 (high nibbles)
-        v = [_zx8(b, row, b.add(at, _c(16 + 32 * g + 8 * k))) for k in range(4)]
+        v = [_nibbles32(b, row, b.add(at, _c(16 + 32 * g + 16 * k))) for k in range(2)]  # bytes 0-15, 16-31
         first = b.add(b.mul(blk, _c(256)), _c(64 * g))
-        for k, q in enumerate(([b.and_(x, _i8x(15)) for x in v], [b.lshr(x, _i8x(4)) for x in v])):
+        for k in range(2):  # the low nibbles of the 32 bytes, then the high
+            q = b.shuffle_vector(v[0], v[1], _vec([*range(16 * k, 16 * k + 16), *range(32 + 16 * k, 48 + 16 * k)]))
             ds = b.extract_element(scales, _c(2 * g + k, _I32))
             offsets = mins if g == k == 0 else None
-            runs.append(_Ints(b.add(first, _c(32 * k)), _cat4(b, q), ds, None, b.add(b.mul(blk, _c(8)), _c(2 * g + k)), offsets, factored=True))
+            runs.append(_Ints(b.add(first, _c(32 * k)), q, ds, None, b.add(b.mul(blk, _c(8)), _c(2 * g + k)), offsets, factored=True))
     return runs
 
 

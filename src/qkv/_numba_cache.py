@@ -29,6 +29,7 @@ MODULES = (
     "models/formats/quant_kernels.py",
     "models/formats/quant_simd.py",
     "models/formats/quant_int8.py",
+    "models/formats/quant_sliced.py",
     "models/engines/decode_step.py",
     "models/serving/engine.py",
 )

@@ -20,7 +20,9 @@ activation), on the same values in the same order, so a step's logits are the
 NumPy path's floats bit for bit; ``tests/test_decode_step.py`` checks that on
 each family it covers, and :data:`ENABLED` turns it off. Under
 :func:`qkv.models.formats.quants.int8_activations` the products are
-:mod:`quant_int8`'s, as the NumPy path's are then.
+:mod:`quant_int8`'s, as the NumPy path's are then; one token's Q4_K products
+are :mod:`quant_sliced`'s where :func:`~qkv.models.formats.quants.sliced_active`
+says the NumPy path takes them too.
 
 It covers the layers most decoders have: RMSNorm, no biases, RoPE (rotate
 half), a dense MLP with a GELU or SiLU, and weights kept in GGUF blocks (the
@@ -42,7 +44,7 @@ from ..._numba_cache import install as _install_cache
 
 from ..._compiled import _activation, _gated, _rms_norm_rows, _rope_rows
 from ...threads import use_numba_threads
-from ..formats import quant_int8, quant_simd, quants
+from ..formats import quant_int8, quant_simd, quant_sliced, quants
 from .functional import COMPILED_KINDS
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
@@ -145,10 +147,12 @@ def block(lm, i: int, p: Plan, h: np.ndarray, rope_at, attend) -> None:  # (B, 1
     # llama.cpp's int8 activations where asked for. None, not False: numba drops a branch on `is None` when
     # compiling (not on a bool), so the default step never compiles quant_int8's kernels (14 s of a cold start).
     int8 = True if quants.int8_active() else None
-    q, k, v = _attention_in(h, p.attn_norm, eps, *_args(p.qkv), p.q_norm, p.k_norm, c4, s4, Hq, Hk, D, int8)
+    # One token's Q4_K products in int8 slices where they may be (quants.sliced_active): None compiles them out.
+    sliced = True if int8 is None and quants.sliced_active() else None
+    q, k, v = _attention_in(h, p.attn_norm, eps, *_args(p.qkv), p.q_norm, p.k_norm, c4, s4, Hq, Hk, D, int8, sliced)
     o, _ = attend(i, q, k, v)  # (B, Hq, 1, D)
     F = cfg.intermediate_size if cfg.gated_mlp else 0
-    _after_attention(np.ascontiguousarray(o).reshape(B, Hq * D), h, *_args(p.out), p.post_attn_norm, p.mlp_norm, *_args(p.up), p.act, F, *_args(p.down), p.post_mlp_norm, eps, int8)
+    _after_attention(np.ascontiguousarray(o).reshape(B, Hq * D), h, *_args(p.out), p.post_attn_norm, p.mlp_norm, *_args(p.up), p.act, F, *_args(p.down), p.post_mlp_norm, eps, int8, sliced)
 
 
 def _args(m: _Matrix):
@@ -159,24 +163,29 @@ def _args(m: _Matrix):
 
 
 @njit(cache=True, nogil=True)
-def _part(raw, d, dmin, code, x, out, int8):  # one part, as QuantizedMatrix._direct multiplies it
+def _part(raw, d, dmin, code, x, out, int8, sliced):  # one part, as QuantizedMatrix._direct multiplies it
     if int8 is None:  # decided when compiling (see block)
-        quant_simd._matmul_parallel(raw, d, dmin, code, x, out)
+        if sliced is None:
+            quant_simd._matmul_parallel(raw, d, dmin, code, x, out)
+        elif x.shape[0] == 1 and code == quant_simd._Q4_K:
+            quant_sliced._matmul_parallel(raw, d, dmin, code, x, out)
+        else:
+            quant_simd._matmul_parallel(raw, d, dmin, code, x, out)
     else:
         quant_int8._matmul_parallel(raw, d, dmin, code, x, out)
 
 
 @njit(cache=True, nogil=True)
-def _product(raws, ds, dmins, codes, x, out, int8):  # (T, in) f32 -> out (T, sum R_p): each part as quants.matmul multiplies it
+def _product(raws, ds, dmins, codes, x, out, int8, sliced):  # (T, in) f32 -> out (T, sum R_p): each part as quants.matmul multiplies it
     if raws[0].shape[0] == out.shape[1]:  # one part (the others empty)
-        _part(raws[0], ds[0], dmins[0], codes[0], x, out, int8)
+        _part(raws[0], ds[0], dmins[0], codes[0], x, out, int8, sliced)
         return
     c0 = 0
     for j in range(len(raws)):
         if raws[j].shape[0] == 0:
             continue
         part = np.empty((x.shape[0], raws[j].shape[0]), np.float32)
-        _part(raws[j], ds[j], dmins[j], codes[j], x, part, int8)
+        _part(raws[j], ds[j], dmins[j], codes[j], x, part, int8, sliced)
         for t in range(x.shape[0]):  # a loop, not a slice assignment: that compiles numba's shape-mismatch message (5 s)
             for c in range(part.shape[1]):
                 out[t, c0 + c] = part[t, c]
@@ -184,12 +193,12 @@ def _product(raws, ds, dmins, codes, x, out, int8):  # (T, in) f32 -> out (T, su
 
 
 @njit(cache=True, nogil=True)
-def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8):  # (B, 1, E) -> q (B, Hq, 1, D), k, v (B, Hk, 1, D)
+def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8, sliced):  # (B, 1, E) -> q (B, Hq, 1, D), k, v (B, Hk, 1, D)
     B, E = h.shape[0], h.shape[2]
     a = np.empty((B, 1, E), np.float32)
     _rms_norm_rows(h, norm, eps, a)
     qkv = np.empty((B, (Hq + 2 * Hk) * D), np.float32)
-    _product(raws, ds, dmins, codes, a.reshape(B, E), qkv, int8)
+    _product(raws, ds, dmins, codes, a.reshape(B, E), qkv, int8, sliced)
     q = np.empty((B, Hq, D), np.float32)  # (B, L=1, H, D) merged to (B, H, D), as rms_norm_ merges it
     k = np.empty((B, Hk, D), np.float32)
     v = np.empty((B, Hk, 1, D), np.float32)
@@ -211,30 +220,30 @@ def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin
 
 @njit(cache=True, nogil=True)
 def _after_attention(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, act, F,
-                     down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8):  # (B, Hq D), (B, 1, E) updated in place  # fmt: skip
+                     down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8, sliced):  # (B, Hq D), (B, 1, E) updated in place  # fmt: skip
     B, E = h.shape[0], h.shape[2]
-    _add_product(h, raws, ds, dmins, codes, o, post_norm, eps, int8)  # h += norm(o W_out)
+    _add_product(h, raws, ds, dmins, codes, o, post_norm, eps, int8, sliced)  # h += norm(o W_out)
     m = np.empty((B, 1, E), np.float32)
     _rms_norm_rows(h, mlp_norm, eps, m)
     width = 0
     for j in range(len(up_raws)):
         width += up_raws[j].shape[0]
     u = np.empty((B, width), np.float32)
-    _product(up_raws, up_ds, up_dmins, up_codes, m.reshape(B, E), u, int8)
+    _product(up_raws, up_ds, up_dmins, up_codes, m.reshape(B, E), u, int8, sliced)
     if F:  # gated: act(gate) * up, as _block (gated_activation: the same compiled pass)
         g = np.empty((B, F), np.float32)
         _gated(u, F, act, g)
     else:
         _activation(u, act)
         g = u
-    _add_product(h, down_raws, down_ds, down_dmins, down_codes, g, post_mlp_norm, eps, int8)  # h += norm(g W_down)
+    _add_product(h, down_raws, down_ds, down_dmins, down_codes, g, post_mlp_norm, eps, int8, sliced)  # h += norm(g W_down)
 
 
 @njit(cache=True, nogil=True)
-def _add_product(h, raws, ds, dmins, codes, x, post_norm, eps, int8):  # (B, 1, E) += the product of x (B, in), normed where post_norm
+def _add_product(h, raws, ds, dmins, codes, x, post_norm, eps, int8, sliced):  # (B, 1, E) += the product of x (B, in), normed where post_norm
     B, E = h.shape[0], h.shape[2]
     y = np.empty((B, 1, E), np.float32)
-    _product(raws, ds, dmins, codes, x, y.reshape(B, E), int8)
+    _product(raws, ds, dmins, codes, x, y.reshape(B, E), int8, sliced)
     if post_norm.size:
         z = np.empty((B, 1, E), np.float32)
         _rms_norm_rows(y, post_norm, eps, z)

@@ -29,7 +29,8 @@ No fast-math flags: LLVM may not reorder these sums, so a token's result
 depends on its row and its own activations only, never on how many tokens
 came with it (a batch of 1 or of 32, a token's place in it). That is what a
 server needs to answer a request the same alone or beside others
-(:func:`qkv.models.formats.quants.row_invariant`), and here it costs nothing:
+(:func:`qkv.models.formats.quants.row_invariant`, which keeps these kernels for
+one token of Q4_K too, where :mod:`quant_sliced` would take it), and here it costs nothing:
 a group of tokens shares the decoding of each block (:data:`GROUP`), and where the CPU
 has AVX-512, two rows share each load of a token's activations (:data:`PAIR_TOKENS`).
 

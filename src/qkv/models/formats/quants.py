@@ -9,7 +9,9 @@ block as it goes (numba, the ``fast`` extra):
 
 - decoding (one token at a time): each output is ``sum_b d_b * sum_j q_bj x_j``
   over the row's blocks, computed from the integers, in float32 like the
-  activations. The activations stay float32 by default (llama.cpp rounds them
+  activations (one token's Q4_K products, on CPUs with AVX-512 VNNI: with the
+  activations written exactly enough as three int8 slices and the sums taken
+  as integers, :mod:`quant_sliced`). The activations stay float32 by default (llama.cpp rounds them
   to int8 per block, which moves logits by a few tenths on Gemma 3 270M and
   breaks agreement with transformers); :func:`int8_activations` does as
   llama.cpp, opt-in (:mod:`quant_int8`);
@@ -70,11 +72,12 @@ def row_invariant(on: bool = True):
     """Within it (in this thread), every product gives each token's row the same bits however many tokens
     come with it: what a server needs to answer a request the same alone or batched with others.
 
-    A product of up to :data:`DIRECT_TOKENS` tokens on blocks is that already (each token's sum is written
-    out in vector code: :mod:`quant_simd`); many tokens go through BLAS tiles, whose order of addition
-    depends on the tile. Here every product runs as chunks of :data:`DIRECT_TOKENS` tokens through the
-    block kernels, and float32 or F16/BF16 weights through one loop whose order depends on the row's
-    length only.
+    A product of 2 to :data:`DIRECT_TOKENS` tokens on blocks is that already (each token's sum is written
+    out in vector code: :mod:`quant_simd`); one token alone on Q4_K takes :mod:`quant_sliced`'s faster
+    kernel where the CPU has it (other last bits); many tokens go through BLAS tiles, whose order of
+    addition depends on the tile. Here every product runs as chunks of :data:`DIRECT_TOKENS` tokens
+    through :mod:`quant_simd`'s kernels, and float32 or F16/BF16 weights through one loop whose order
+    depends on the row's length only.
 
     >>> import numpy as np
     >>> w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
@@ -125,6 +128,17 @@ def int8_activations(on: bool = True):
 def int8_active() -> bool:
     """Whether :func:`int8_activations` is on here (and numba there to run it)."""
     return _INT8_ACTIVATIONS.get() and kernel_available()
+
+
+def sliced_active() -> bool:
+    """Whether one token's Q4_K products take :mod:`quant_sliced`'s kernel here: on a CPU with AVX-512 VNNI,
+    with numba, unless :func:`row_invariant` (whose products keep one kernel whatever the number of tokens)
+    or :func:`int8_activations` is on."""
+    if _ROW_INVARIANT.get() or _INT8_ACTIVATIONS.get() or not kernel_available():
+        return False
+    from . import quant_sliced
+
+    return quant_sliced.AVAILABLE
 
 
 def _invariant_kernels() -> bool:
@@ -346,6 +360,10 @@ class QuantizedMatrix:
             from . import quant_int8
 
             quant_int8.matmul_blocks_int8(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
+        elif len(x2) == 1 and self.qtype == "Q4_K" and sliced_active():
+            from . import quant_sliced
+
+            quant_sliced.matmul_blocks_sliced(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
         else:
             quant_simd.matmul_blocks(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
 

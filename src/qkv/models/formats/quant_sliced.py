@@ -1,0 +1,211 @@
+"""One token's Q4_K products with its float32 activations cut into three int8 slices, multiplied as integers.
+
+:mod:`quant_simd`'s float kernel converts each 4-bit weight to a float and
+multiplies it: some 100 vector instructions a super-block of 256 values, so
+one token's Q4_K products are bound by that arithmetic (15 ns a super-block in
+the L2 cache on Zen 4), not by memory. Integers are cheaper: AVX-512 VNNI's
+``vpdpbusd`` multiplies 64 unsigned bytes by 64 signed ones and adds them in
+fours onto 16 int32 lanes, in one instruction. llama.cpp feeds it activations
+rounded to one int8 per value, which moves logits by tenths
+(:mod:`quant_int8`). Three int8 a value lose nothing that float32 keeps
+(the idea of the Ozaki scheme, which runs float GEMMs on integer units as
+slices). For each token and each run of 32 values (one Q4_K sub-block)::
+
+    step = 2^-k, the smallest that keeps every |x_i| / step below 8,355,711   # three signed bytes' reach
+    m_i  = rint(x_i / step)                                                   # |x_i - step m_i| <= step / 2
+    m_i  = s2_i * 65536 + s1_i * 256 + s0_i      # s0, s1 in [-128, 127], s2 in [-128, 127]
+
+so ``x_i = step * m_i`` to 23-24 significant bits at the run's largest value,
+the same as float32's 24 (smaller values keep the run's absolute step). Then,
+for a row's super-block, with q the 4-bit weights of 64 values a vector::
+
+    a = vpdpbusd(0, q, s2); a <<= 8; a = vpdpbusd(a, q, s1); a <<= 8; a = vpdpbusd(a, q, s0)
+                                     # lane: sum of 4 products q * m, exact in int32 (< 2^29)
+    acc = fma(float(a), (d * sc_run) * step_run, acc)          # 16 lanes: two runs of 8 lanes
+    off = fma(dmin * m_run, step_run * sum(m over the run), off)   # the 8 runs' offsets at once
+    out[t, r] = (acc's lanes added in halves) - (off's lanes added in halves)
+
+About 55 vector instructions a super-block against about 100: one token's Q4_K
+super-block in 9-12 ns against 14-16 in the L2 cache (:data:`ONE_TOKEN`). The
+error is float32's: against the product in float64, it is 0.3-0.8x the error
+of NumPy's float32 product of the dequantized matrix (BLAS) in the largest
+difference and 0.5-1.1x on average, on a Llama file's Q4_K matrices with
+normal activations and with a few outlier channels 60x larger
+(``tests/test_quants.py`` checks it against both). The activations are not
+rounded to fewer bits than float32 holds: they are written in another form.
+
+It is for one token only. With more, :mod:`quant_simd` converts each weight
+once for all of them and its multiply-adds are all that is left a token
+(8 tokens: 8 ns a token's super-block, the sliced kernel 9): each product of
+more than one token keeps that kernel. So a token alone and the same token in
+a batch get different last bits, and :func:`~qkv.models.formats.quants.row_invariant`
+(a server's batch invariance) keeps :mod:`quant_simd`'s for every product.
+
+Each result depends on its row and its token alone, in a fixed order.
+
+Letters: T tokens (1 here), R rows, N values a row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import llvmlite.ir as ir
+import numpy as np
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..._compiled import _float_from_bits
+from ..._numba_cache import install as _install_cache
+
+from .quant_simd import _F32, _I8, _I32, _Q4_K, _V8F, _bytes, _c, _check_shapes, _fma, _hsum, _k_factors8, _prefetch_block, _target_has, _vec
+
+_install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
+
+__all__ = ["AVAILABLE", "ONE_TOKEN", "matmul_blocks_sliced", "slice_activations"]
+
+#: Where numba compiles for AVX-512 with VNNI and byte operations (Zen 4, Ice Lake and later): the
+#: instructions this kernel is written in. Elsewhere :mod:`quant_simd`'s float kernel multiplies.
+AVAILABLE = _target_has("avx512vnni") and _target_has("avx512bw") and _target_has("avx512f")
+
+#: The block types multiplied here (Q4_K: a Llama file's whole decode; the other types stay float).
+TYPES = (_Q4_K,)
+
+#: Measured for :mod:`quants` to route by (one token, one thread, Zen 4, a Llama Q4_K file's 768 x 768
+#: and 768 x 2,048 matrices in the L2 cache, the slicing of x included): 11.7 and 10.5 ns a super-block
+#: against quant_simd's 15.6 and 14.8. Two tokens: 10.4-11.6 ns a token's super-block against 11.3-12.4;
+#: 8 tokens: 7.2-9.0 against 7.7-8.1; 32: 9.4-11.6 against 8.1-8.5.
+ONE_TOKEN = 1
+
+_V16I, _V16F, _V64B = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_I8, 64)
+#: The order of a super-block's 8 runs in the vectors: vector v (64 bytes of weights) holds runs ORDER[2v]
+#: (its first 32 bytes) and ORDER[2v + 1]. Q4_K keeps runs 2g and 2g + 1 in the low and high nibbles of
+#: the same 32 bytes, so the low nibbles of bytes 0-63 are runs 0 and 2, their high nibbles runs 1 and 3.
+ORDER = (0, 2, 1, 3, 4, 6, 5, 7)
+_SLOT = np.array([ORDER.index(j) for j in range(8)], np.int64)  # run j's place among a super-block's 8
+#: The largest |m| three signed bytes hold: 127 * 65536 + 127 * 256 + 127.
+_REACH = 8355711.0
+_ROUND = 1.5 * 2.0**52  # float64's last bit is worth 1 from 2^52 on: v + this - this is v rounded, for |v| < 2^51
+
+
+def _dpbusd(b, acc, q, s):  # <16 x i32>, <64 x i8> unsigned, <64 x i8> signed -> acc + the products summed in fours
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V16I, [_V16I] * 3), "llvm.x86.avx512.vpdpbusd.512")
+    return b.call(fn, [acc, b.bitcast(q, _V16I), b.bitcast(s, _V16I)])
+
+
+@intrinsic
+def _dots_q4_k(typingctx, raw, d, dmin, slices, steps, sums, r, out):
+    """out[0, r] <- row r . x, x given as ``slices`` (1, 3, N) int8, ``steps`` and ``sums`` (1, N/32)."""
+
+    def codegen(context, b, sig, args):
+        ra, da, ma, xa, sa, ua, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 5, 7))
+        r = args[6]
+        n_blocks, n_in = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 2)
+        row = b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))])
+        d_row = b.gep(da.data, [b.mul(r, n_blocks)])
+        m_row = b.gep(ma.data, [b.mul(r, n_blocks)])
+        accs = [cgutils.alloca_once(b, _V16F) for _ in range(2)]  # two chains of multiply-adds
+        off = cgutils.alloca_once(b, _V8F)
+        for a in accs:
+            b.store(ir.Constant(_V16F, None), a)
+        b.store(ir.Constant(_V8F, None), off)
+
+        def vec8(base, k):  # 8 floats at base + k: a super-block's 8 runs
+            return b.load(b.bitcast(b.gep(base, [k]), _V8F.as_pointer()), align=4)
+
+        low, four = ir.Constant(_V64B, 15), ir.Constant(_V64B, 4)
+        with cgutils.for_range(b, n_blocks) as loop:
+            blk = loop.index
+            at = b.mul(blk, _c(144))
+            _prefetch_block(b, row, at, 144)
+            scales8, mins8 = _k_factors8(b, row, at, b.load(b.gep(d_row, [blk])), b.load(b.gep(m_row, [blk])))
+            nib = [_bytes(b, row, b.add(at, _c(16 + 64 * k)), 64) for k in range(2)]  # the 128 bytes of nibbles
+            qs = [b.and_(nib[0], low), b.lshr(nib[0], four), b.and_(nib[1], low), b.lshr(nib[1], four)]  # runs ORDER[2v], ORDER[2v + 1]
+            k0 = b.mul(blk, _c(8))
+            scaled = b.fmul(scales8, vec8(sa.data, k0))  # each run's d * sc times its step
+            b.store(_fma(b, mins8, vec8(ua.data, k0), b.load(off)), off)
+            first = b.mul(blk, _c(256))
+            for v, q in enumerate(qs):
+                a = ir.Constant(_V16I, None)
+                for s in range(3):  # the top slice first, shifted up a byte before each next one
+                    part = _bytes(b, xa.data, b.add(b.add(first, _c(64 * v)), b.mul(n_in, _c(s))), 64)
+                    a = _dpbusd(b, a if s == 0 else b.shl(a, ir.Constant(_V16I, 8)), q, part)
+                sv = b.shuffle_vector(scaled, scaled, _vec([ORDER[2 * v]] * 8 + [ORDER[2 * v + 1]] * 8))
+                b.store(_fma(b, b.sitofp(a, _V16F), sv, b.load(accs[v % 2])), accs[v % 2])
+        total = b.fadd(b.load(accs[0]), b.load(accs[1]))
+        b.store(b.fsub(_hsum(b, total), _hsum(b, b.load(off))), b.gep(oa.data, [r]))
+        return context.get_dummy_value()
+
+    return types.none(raw, d, dmin, slices, steps, sums, r, out), codegen
+
+
+@njit(cache=True, nogil=True)
+def slice_activations(x):  # (T, N) float32 -> slices (T, 3, N) int8, steps (T, N/32) float32, sums (T, N/32) float32
+    """Each token's values, a run of 32 at a time, as ``step * (s2 * 65536 + s1 * 256 + s0)`` (see the
+    module's docstring), the three slices' runs in :data:`ORDER` within each super-block; ``sums``: each
+    run's ``step * sum(m)``. A run with an inf or NaN gets a NaN step and sum (so its products are NaN,
+    as the float kernels give); a run of zeros, step 0; a run whose largest value is below 2^-126 too
+    (its products' share is below float32's smallest normal number)."""
+    T, n = x.shape
+    slices = np.zeros((T, 3, n), np.int8)
+    steps = np.empty((T, n // 32), np.float32)
+    sums = np.empty((T, n // 32), np.float32)
+    bits = x.view(np.int32)
+    m = np.empty(32, np.int32)
+    # (each loop over 1-D views, indexed by its own counter, in int32: over the 2-D and 3-D arrays, with
+    # numba's handling of negative indices, the slicing took 3.4 ns a value; this way 1.5-1.7)
+    for t in range(T):
+        for k in range(n // 32):
+            xr, br = x[t, 32 * k : 32 * k + 32], bits[t, 32 * k : 32 * k + 32]
+            # the largest |x| by its bits: an integer maximum, which vectorizes (a float one is a chain of
+            # 32 dependent maxima without fast-math), and inf or NaN shows as bits >= those of inf
+            top_bits = np.int32(0)
+            for i in range(32):
+                top_bits = max(top_bits, br[i] & np.int32(0x7FFFFFFF))
+            if top_bits >= np.int32(0x7F800000):
+                steps[t, k] = np.nan
+                sums[t, k] = np.nan
+                continue
+            if top_bits < np.int32(0x00800000):  # zeros, or below the smallest normal float32
+                steps[t, k] = 0.0
+                sums[t, k] = 0.0
+                continue
+            top = _float_from_bits(top_bits, np.float32(0.0))
+            e = (top_bits >> 23) - 126  # 2^(e - 1) <= top < 2^e
+            inv = math.ldexp(1.0, 23 - e)
+            if top * inv > _REACH:
+                inv = math.ldexp(1.0, 22 - e)
+            total = 0
+            for i in range(32):  # x * inv is exact (a power of two; float64 holds every float32 times it), then
+                # rounded to the nearest integer (ties to even) by adding and taking away 1.5 * 2^52 (np.rint is a call)
+                m[i] = np.int32((np.float64(xr[i]) * inv + _ROUND) - _ROUND)
+            for i in range(32):
+                total += m[i]
+            at = 256 * (k // 8) + 32 * _SLOT[k % 8]
+            s2r, s1r, s0r = slices[t, 0, at : at + 32], slices[t, 1, at : at + 32], slices[t, 2, at : at + 32]
+            for i in range(32):
+                s0 = ((m[i] + np.int32(128)) & np.int32(255)) - np.int32(128)
+                m1 = (m[i] - s0) >> np.int32(8)
+                s1 = ((m1 + np.int32(128)) & np.int32(255)) - np.int32(128)
+                s2r[i] = (m1 - s1) >> np.int32(8)
+                s1r[i] = s1
+                s0r[i] = s0
+            steps[t, k] = np.float32(1.0 / inv)
+            sums[t, k] = np.float32(total / inv)
+    return slices, steps, sums
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _matmul_parallel(raw, d, dmin, code, x, out):  # one token: out (1, R) <- W x (rows in parallel on numba's threads)
+    slices, steps, sums = slice_activations(x)
+    for r in prange(raw.shape[0]):
+        _dots_q4_k(raw, d, dmin, slices, steps, sums, r, out)
+
+
+def matmul_blocks_sliced(raw, d, dmin, code, x, out):  # as quant_simd.matmul_blocks, for one token of a type in TYPES
+    """out[0, r] <- row r's values . x[0], x in three int8 slices (see the module's docstring)."""
+    _check_shapes(raw, d, dmin, code, x, out)
+    if code not in TYPES or x.shape[0] != 1:
+        raise ValueError(f"the sliced product takes one token of Q4_K, got {x.shape[0]} tokens of block type code {code}")
+    _matmul_parallel(raw, d, dmin, code, x, out)

@@ -141,3 +141,18 @@ def test_the_product_is_taken_for_one_token_outside_row_invariant_and_int8_only(
         assert not quants.sliced_active()
         assert m.matmul(x[:1]).tobytes() != sliced.tobytes()
     assert quants.sliced_active()
+
+
+def test_rows_taken_in_pairs_give_each_row_its_own_bits():
+    """Rows go two at a time, half the matrix apart, and an odd one alone: each row's result is the one it
+    gets as a matrix of one row."""
+    rng = np.random.default_rng(6)
+    m = _q4k(37, 512, rng)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    code = quants._CODE["Q4_K"]
+    out = np.empty((1, 37), np.float32)
+    quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, code, x, out)
+    for r in range(37):
+        alone = np.empty((1, 1), np.float32)
+        quant_sliced.matmul_blocks_sliced(m.raw[r : r + 1], m.d[r : r + 1], m.dmin[r : r + 1], code, x, alone)
+        assert alone.tobytes() == out[:, r].tobytes(), r

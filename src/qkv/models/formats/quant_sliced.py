@@ -94,22 +94,27 @@ def _dpbusd(b, acc, q, s):  # <16 x i32>, <64 x i8> unsigned, <64 x i8> signed -
     return b.call(fn, [acc, b.bitcast(q, _V16I), b.bitcast(s, _V16I)])
 
 
-@intrinsic
-def _dots_q4_k(typingctx, raw, d, dmin, slices, steps, sums, r, out):
-    """out[0, r] <- row r . x, x given as ``slices`` (1, 3, N) int8, ``steps`` and ``sums`` (1, N/32)."""
+def _dots_q4_k(rows: int):
+    """An intrinsic ``(raw, d, dmin, slices, steps, sums, r, out) -> None`` (one row) or ``(..., r, r2, out)``
+    (two): out[0, r'] <- row r' . x, x given as ``slices`` (1, 3, N) int8, ``steps`` and ``sums`` (1, N/32).
+    Two rows share each load of the slices, and are taken half a matrix apart as :mod:`quant_simd` takes
+    them (two streams of bytes far apart): the Llama file's 768 x 2,048 matrices in the L2 cache in 0.92x
+    the time of one row at a time, its 32,000-row output table from memory in 0.95x (one thread, Zen 4).
+    Each row's sums are made by the same operations in the same order either way: the same bits."""
 
     def codegen(context, b, sig, args):
-        ra, da, ma, xa, sa, ua, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 5, 7))
-        r = args[6]
+        ra, da, ma, xa, sa, ua, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 5, len(args) - 1))
+        rs = list(args[6 : 6 + rows])
         n_blocks, n_in = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 2)
-        row = b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))])
-        d_row = b.gep(da.data, [b.mul(r, n_blocks)])
-        m_row = b.gep(ma.data, [b.mul(r, n_blocks)])
-        accs = [cgutils.alloca_once(b, _V16F) for _ in range(2)]  # two chains of multiply-adds
-        off = cgutils.alloca_once(b, _V8F)
-        for a in accs:
+        row_of = [b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))]) for r in rs]
+        d_of = [b.gep(da.data, [b.mul(r, n_blocks)]) for r in rs]
+        m_of = [b.gep(ma.data, [b.mul(r, n_blocks)]) for r in rs]
+        accs = [[cgutils.alloca_once(b, _V16F) for _ in range(2)] for _ in rs]  # two chains of multiply-adds a row
+        offs = [cgutils.alloca_once(b, _V8F) for _ in rs]
+        for a in (a for row_accs in accs for a in row_accs):
             b.store(ir.Constant(_V16F, None), a)
-        b.store(ir.Constant(_V8F, None), off)
+        for off in offs:
+            b.store(ir.Constant(_V8F, None), off)
 
         def vec8(base, k):  # 8 floats at base + k: a super-block's 8 runs
             return b.load(b.bitcast(b.gep(base, [k]), _V8F.as_pointer()), align=4)
@@ -118,26 +123,46 @@ def _dots_q4_k(typingctx, raw, d, dmin, slices, steps, sums, r, out):
         with cgutils.for_range(b, n_blocks) as loop:
             blk = loop.index
             at = b.mul(blk, _c(144))
-            _prefetch_block(b, row, at, 144)
-            scales8, mins8 = _k_factors8(b, row, at, b.load(b.gep(d_row, [blk])), b.load(b.gep(m_row, [blk])))
-            nib = [_bytes(b, row, b.add(at, _c(16 + 64 * k)), 64) for k in range(2)]  # the 128 bytes of nibbles
-            qs = [b.and_(nib[0], low), b.lshr(nib[0], four), b.and_(nib[1], low), b.lshr(nib[1], four)]  # runs ORDER[2v], ORDER[2v + 1]
             k0 = b.mul(blk, _c(8))
-            scaled = b.fmul(scales8, vec8(sa.data, k0))  # each run's d * sc times its step
-            b.store(_fma(b, mins8, vec8(ua.data, k0), b.load(off)), off)
+            steps8, sums8 = vec8(sa.data, k0), vec8(ua.data, k0)
+            unpacked = []  # a row's 4 vectors of weights (runs ORDER[2v], ORDER[2v + 1]) and its 8 runs' d * sc * step
+            for row, d_row, m_row, off in zip(row_of, d_of, m_of, offs):
+                _prefetch_block(b, row, at, 144)
+                scales8, mins8 = _k_factors8(b, row, at, b.load(b.gep(d_row, [blk])), b.load(b.gep(m_row, [blk])))
+                nib = [_bytes(b, row, b.add(at, _c(16 + 64 * k)), 64) for k in range(2)]  # the 128 bytes of nibbles
+                qs = [b.and_(nib[0], low), b.lshr(nib[0], four), b.and_(nib[1], low), b.lshr(nib[1], four)]
+                b.store(_fma(b, mins8, sums8, b.load(off)), off)
+                unpacked.append((qs, b.fmul(scales8, steps8)))
             first = b.mul(blk, _c(256))
-            for v, q in enumerate(qs):
-                a = ir.Constant(_V16I, None)
-                for s in range(3):  # the top slice first, shifted up a byte before each next one
-                    part = _bytes(b, xa.data, b.add(b.add(first, _c(64 * v)), b.mul(n_in, _c(s))), 64)
-                    a = _dpbusd(b, a if s == 0 else b.shl(a, ir.Constant(_V16I, 8)), q, part)
-                sv = b.shuffle_vector(scaled, scaled, _vec([ORDER[2 * v]] * 8 + [ORDER[2 * v + 1]] * 8))
-                b.store(_fma(b, b.sitofp(a, _V16F), sv, b.load(accs[v % 2])), accs[v % 2])
-        total = b.fadd(b.load(accs[0]), b.load(accs[1]))
-        b.store(b.fsub(_hsum(b, total), _hsum(b, b.load(off))), b.gep(oa.data, [r]))
+            for v in range(4):
+                parts = [_bytes(b, xa.data, b.add(b.add(first, _c(64 * v)), b.mul(n_in, _c(s))), 64) for s in range(3)]
+                for (qs, scaled), acc in zip(unpacked, accs):
+                    a = ir.Constant(_V16I, None)
+                    for s in range(3):  # the top slice first, shifted up a byte before each next one
+                        a = _dpbusd(b, a if s == 0 else b.shl(a, ir.Constant(_V16I, 8)), qs[v], parts[s])
+                    sv = b.shuffle_vector(scaled, scaled, _vec([ORDER[2 * v]] * 8 + [ORDER[2 * v + 1]] * 8))
+                    b.store(_fma(b, b.sitofp(a, _V16F), sv, b.load(acc[v % 2])), acc[v % 2])
+        for r, acc, off in zip(rs, accs, offs):
+            total = b.fadd(b.load(acc[0]), b.load(acc[1]))
+            b.store(b.fsub(_hsum(b, total), _hsum(b, b.load(off))), b.gep(oa.data, [r]))
         return context.get_dummy_value()
 
-    return types.none(raw, d, dmin, slices, steps, sums, r, out), codegen
+    if rows == 1:
+
+        @intrinsic
+        def dots(typingctx, raw, d, dmin, slices, steps, sums, r, out):
+            return types.none(raw, d, dmin, slices, steps, sums, r, out), codegen
+
+    else:
+
+        @intrinsic
+        def dots(typingctx, raw, d, dmin, slices, steps, sums, r, r2, out):
+            return types.none(raw, d, dmin, slices, steps, sums, r, r2, out), codegen
+
+    return dots
+
+
+_one, _two = _dots_q4_k(1), _dots_q4_k(2)
 
 
 @njit(cache=True, nogil=True)
@@ -199,8 +224,11 @@ def slice_activations(x):  # (T, N) float32 -> slices (T, 3, N) int8, steps (T, 
 @njit(cache=True, nogil=True, parallel=True)
 def _matmul_parallel(raw, d, dmin, code, x, out):  # one token: out (1, R) <- W x (rows in parallel on numba's threads)
     slices, steps, sums = slice_activations(x)
-    for r in prange(raw.shape[0]):
-        _dots_q4_k(raw, d, dmin, slices, steps, sums, r, out)
+    half = raw.shape[0] // 2
+    for p in prange(half):  # rows p and p + half (see _dots_q4_k)
+        _two(raw, d, dmin, slices, steps, sums, p, p + half, out)
+    if raw.shape[0] % 2:
+        _one(raw, d, dmin, slices, steps, sums, raw.shape[0] - 1, out)
 
 
 def matmul_blocks_sliced(raw, d, dmin, code, x, out):  # as quant_simd.matmul_blocks, for one token of a type in TYPES

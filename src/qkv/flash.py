@@ -54,6 +54,7 @@ block.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -248,7 +249,12 @@ def kernel_names() -> list[str]:
 def compiled_available() -> bool:
     """Whether the compiled kernels can run: numba, and SciPy, whose BLAS numba's ``np.dot`` calls
     (numba without SciPy fails inside the first product: the ``fast`` extra brings both)."""
-    return importlib.util.find_spec("numba") is not None and importlib.util.find_spec("scipy") is not None
+    return _installed("numba") and _installed("scipy")
+
+
+@functools.cache
+def _installed(name: str) -> bool:  # looked up once a process: a decode step asks some 30 times a token (4 us each)
+    return importlib.util.find_spec(name) is not None
 
 
 def check_kernel(name) -> str:

@@ -136,9 +136,14 @@ def sliced_active() -> bool:
     or :func:`int8_activations` is on."""
     if _ROW_INVARIANT.get() or _INT8_ACTIVATIONS.get() or not kernel_available():
         return False
-    from . import quant_sliced
+    if not _SLICED:  # imported once, on the first ask (an import statement a call cost a decode step 2% of its time)
+        from . import quant_sliced
 
-    return quant_sliced.AVAILABLE
+        _SLICED.append(quant_sliced.AVAILABLE)
+    return _SLICED[0]
+
+
+_SLICED: list = []  # [quant_sliced.AVAILABLE], once imported
 
 
 def _invariant_kernels() -> bool:

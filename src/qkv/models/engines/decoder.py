@@ -38,7 +38,7 @@ from ..._parallel import blas_one_thread, scratch
 from ...attention import scaled_dot_product_attention
 from ...cache import KVCache, LayerCache
 from ...mods import alibi_slopes
-from ...rope import apply_rope, rope_angles
+from ...rope import apply_rope, rope_angles, rope_frequencies
 from ..errors import ModelError
 from .config import ModelConfig
 from .functional import ACTIVATIONS, gated_activation, rms_norm
@@ -272,6 +272,7 @@ class CausalLM:
         self.embed_norm = embed_norm  # a norm of the embeddings (BLOOM), or None
         self._alibi = alibi_slopes(config.num_heads) if config.alibi else None  # (Hq,) float32
         self._rope_freqs = None if config.rope_frequencies is None else np.array(config.rope_frequencies, np.float32)
+        self._base_freqs: dict = {}  # base -> rope_frequencies(head_dim, base)
         self.embed = embed  # (V, E)
         self.positions = positions  # (max_positions, E) learned, or None
         self.layers = layers
@@ -460,7 +461,12 @@ class CausalLM:
 
         def rope_at(base):
             if base not in angles:
-                angles[base] = rope_angles(positions, cfg.head_dim, base, frequencies=self._rope_freqs, attention_factor=cfg.rope_attention_factor)
+                freqs = self._rope_freqs
+                if freqs is None:  # base's own, computed once (rope_angles would each token: a power a frequency)
+                    freqs = self._base_freqs.get(base)
+                    if freqs is None:
+                        freqs = self._base_freqs[base] = rope_frequencies(cfg.head_dim, base)
+                angles[base] = rope_angles(positions, cfg.head_dim, base, frequencies=freqs, attention_factor=cfg.rope_attention_factor)
             return angles[base]
 
         return rope_at

@@ -318,6 +318,10 @@ def table(threads: int, res: dict, args) -> list[str]:
     lines.append(f"| decode, tokens/s ({args.new_tokens} greedy tokens; min-max of {args.repeat}) | " + " | ".join(f"**{med['decode'][w]:.1f}** ({spread[w][0]:.0f}-{spread[w][1]:.0f})" for w in which_all) + " |")
     q = med["decode"]["qkv"]
     lines.append("| qkv quantized's decode rate / this one | " + " | ".join("1" if w == "qkv" else f"{q / med['decode'][w]:.2f}" for w in which_all) + " |")
+    # On a machine whose speed moves between rounds (here by 10-40%, at times 60%), a round's contenders ran
+    # seconds apart: the median of the rounds' own ratios is the steadier comparison
+    ratios = {w: float(np.median(np.array(res["decode"]["qkv"]) / np.array(v))) for w, v in res["decode"].items()}
+    lines.append("| the same, median of each round's ratio | " + " | ".join("1" if w == "qkv" else f"{ratios[w]:.2f}" for w in which_all) + " |")
     lines.append(f"| prefill of {res['long']} tokens, s | " + " | ".join(f"{med['prefill'][w]:.2f}" for w in which_all) + " |")
     lines.append("| load, s | " + " | ".join(f"{res['loads'][w]['load_s']:.1f}" for w in which_all) + " |")
     lines.append("| peak resident memory, MiB | " + " | ".join(f"{res['loads'][w]['peak_rss_mib']:.0f}" for w in which_all) + " |")

@@ -115,6 +115,20 @@ def test_gemma_cache_equals_full_pass_across_the_window(gemma):
         assert layer.stored == (560 if w is None else w - 1)
 
 
+def test_rope_angles_of_a_step_are_rope_angles_of_its_positions(gemma):
+    """The model keeps each base's frequencies (not recomputed each token): the angles are still rope_angles'
+    own, bit for bit, for every base the layers use."""
+    from qkv.rope import rope_angles
+
+    cfg = gemma.config
+    for positions in (np.array([7]), np.arange(300, 305), np.array([[0, 5], [9, 2]])):
+        rope_at = gemma._rope_at(positions)
+        for base in sorted(set(cfg.rope_bases)):
+            for got, want in zip(rope_at(base), rope_angles(positions, cfg.head_dim, base)):
+                assert got.tobytes() == want.tobytes() and got.dtype == np.float32
+    assert len(gemma._base_freqs) == len(set(cfg.rope_bases))
+
+
 def test_gemma_attention_weights_show_the_window(gemma):
     ids = gemma.tokenizer.encode(LONG)[:600]
     out = gemma.forward(ids, output_attentions=True, logits_to_keep=1)

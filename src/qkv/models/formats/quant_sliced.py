@@ -11,9 +11,9 @@ rounded to one int8 per value, which moves logits by tenths
 (the idea of the Ozaki scheme, which runs float GEMMs on integer units as
 slices). For each token and each run of 32 values (one Q4_K sub-block)::
 
-    step = 2^-k, the smallest that keeps every |x_i| / step below 8,355,711   # three signed bytes' reach
+    step = the smallest power of two that keeps every |x_i| / step <= 8,355,711   # three signed bytes' reach
     m_i  = rint(x_i / step)                                                   # |x_i - step m_i| <= step / 2
-    m_i  = s2_i * 65536 + s1_i * 256 + s0_i      # s0, s1 in [-128, 127], s2 in [-128, 127]
+    m_i  = s2_i * 65536 + s1_i * 256 + s0_i      # s0, s1, s2 in [-128, 127]
 
 so ``x_i = step * m_i`` to 23-24 significant bits at the run's largest value,
 the same as float32's 24 (smaller values keep the run's absolute step). Then,
@@ -25,14 +25,17 @@ for a row's super-block, with q the 4-bit weights of 64 values a vector::
     off = fma(dmin * m_run, step_run * sum(m over the run), off)   # the 8 runs' offsets at once
     out[t, r] = (acc's lanes added in halves) - (off's lanes added in halves)
 
-About 55 vector instructions a super-block against about 100: one token's Q4_K
-super-block in 9-12 ns against 14-16 in the L2 cache (:data:`ONE_TOKEN`). The
-error is float32's: against the product in float64, it is 0.3-0.8x the error
-of NumPy's float32 product of the dequantized matrix (BLAS) in the largest
-difference and 0.5-1.1x on average, on a Llama file's Q4_K matrices with
-normal activations and with a few outlier channels 60x larger
-(``tests/test_quants.py`` checks it against both). The activations are not
-rounded to fewer bits than float32 holds: they are written in another form.
+About 73 instructions a super-block (counted in the compiled loop) against
+110 for the float kernel: one token's Q4_K super-block in 9-12 ns against
+14-16 in the L2 cache (:data:`ONE_TOKEN`). The error is float32's: against
+the product in float64, it is 0.3-0.8x the error of NumPy's float32 product
+of the dequantized matrix (BLAS) in the largest difference and 0.5-1.1x on
+average, on a Llama file's Q4_K matrices with normal activations and with a
+few outlier channels 60x larger; 0.5-1.4x and 0.6-2.1x on random Q4_K blocks
+(``tests/test_quant_sliced.py`` holds the largest to 2x, as FlashAttention's
+tests judge a float kernel). The mean's 2.1x is the outliers': a run's values
+share the step of its largest, so a value 60x smaller keeps about 17 bits.
+The activations are not rounded to int8: they are written in another form.
 
 It is for one token only. With more, :mod:`quant_simd` converts each weight
 once for all of them and its multiply-adds are all that is left a token

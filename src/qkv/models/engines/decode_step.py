@@ -167,7 +167,7 @@ def _part(raw, d, dmin, code, x, out, int8, sliced):  # one part, as QuantizedMa
     if int8 is None:  # decided when compiling (see block)
         if sliced is None:
             quant_simd._matmul_parallel(raw, d, dmin, code, x, out)
-        elif x.shape[0] == 1 and code == quant_simd._Q4_K:
+        elif quant_sliced.takes(code, x.shape[0]):
             quant_sliced._matmul_parallel(raw, d, dmin, code, x, out)
         else:
             quant_simd._matmul_parallel(raw, d, dmin, code, x, out)

@@ -336,8 +336,8 @@ def _cat4(b, parts):  # four <8 x i32> -> <32 x i32>, in order
 def _nibbles32(b, row, at):  # 16 bytes at row + at -> <32 x i32>: their low nibbles, then their high ones
     """With AVX-512 the 16 bytes widen in one load to 16 lanes (one vpmovzxbd zmm), so each half is one
     zmm register; with AVX2, two 8-byte loads to 8 lanes, joined (:func:`_cat4`). Joining 8-lane halves
-    with AVX-512 cost a vinserti64x4 each on the shuffle ports: a Q4_K super-block took 1.13-1.15x the
-    time in the L2 cache (one token, one thread, Zen 4)."""
+    with AVX-512 cost a vinserti64x4 each on the shuffle ports: a Q4_K super-block took 1.10-1.14x the
+    time in the L2 cache (one token, one thread, Zen 4; the same bits)."""
     if AVX512:
         v = b.zext(_bytes(b, row, at, 16), _V16I)
         return b.shuffle_vector(b.and_(v, ir.Constant(_V16I, 15)), b.lshr(v, ir.Constant(_V16I, 4)), _vec(range(32)))

@@ -27,7 +27,7 @@ for a row's super-block, with q the 4-bit weights of 64 values a vector::
 
 About 73 instructions a super-block (counted in the compiled loop) against
 110 for the float kernel: one token's Q4_K super-block in 9-12 ns against
-14-16 in the L2 cache (:data:`ONE_TOKEN`). The error is float32's: against
+14-16 in the L2 cache (:func:`takes`). The error is float32's: against
 the product in float64, it is 0.3-0.8x the error of NumPy's float32 product
 of the dequantized matrix (BLAS) in the largest difference and 0.5-1.1x on
 average, on a Llama file's Q4_K matrices with normal activations and with a
@@ -66,20 +66,21 @@ from .quant_simd import _F32, _I8, _I32, _Q4_K, _V8F, _bytes, _c, _check_shapes,
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
-__all__ = ["AVAILABLE", "ONE_TOKEN", "matmul_blocks_sliced", "slice_activations"]
+__all__ = ["AVAILABLE", "matmul_blocks_sliced", "slice_activations", "takes"]
 
 #: Where numba compiles for AVX-512 with VNNI and byte operations (Zen 4, Ice Lake and later): the
 #: instructions this kernel is written in. Elsewhere :mod:`quant_simd`'s float kernel multiplies.
 AVAILABLE = _target_has("avx512vnni") and _target_has("avx512bw") and _target_has("avx512f")
 
-#: The block types multiplied here (Q4_K: a Llama file's whole decode; the other types stay float).
-TYPES = (_Q4_K,)
-
-#: Measured for :mod:`quants` to route by (one token, one thread, Zen 4, a Llama Q4_K file's 768 x 768
-#: and 768 x 2,048 matrices in the L2 cache, the slicing of x included): 11.7 and 10.5 ns a super-block
-#: against quant_simd's 15.6 and 14.8. Two tokens: 10.4-11.6 ns a token's super-block against 11.3-12.4;
-#: 8 tokens: 7.2-9.0 against 7.7-8.1; 32: 9.4-11.6 against 8.1-8.5.
-ONE_TOKEN = 1
+@njit(cache=True, nogil=True)
+def takes(code, tokens):  # a block type's code (quants._CODE), tokens -> whether this module multiplies them
+    """One token of Q4_K (a Llama file's whole decode; the other types stay float). Measured to route by
+    (one thread, Zen 4, a Llama Q4_K file's 768 x 768 and 768 x 2,048 matrices in the L2 cache, the
+    slicing of x included): 11.7 and 10.5 ns a super-block against quant_simd's 15.6 and 14.8. Two
+    tokens: 10.4-11.6 ns a token's super-block against 11.3-12.4; 8 tokens: 7.2-9.0 against 7.7-8.1;
+    32: 9.4-11.6 against 8.1-8.5. :class:`~qkv.models.formats.quants.QuantizedMatrix` and the compiled
+    decode step both route by it."""
+    return tokens == 1 and code == _Q4_K
 
 _V16I, _V16F, _V64B = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_I8, 64)
 #: The order of a super-block's 8 runs in the vectors: vector v (64 bytes of weights) holds runs ORDER[2v]
@@ -234,9 +235,9 @@ def _matmul_parallel(raw, d, dmin, code, x, out):  # one token: out (1, R) <- W 
         _one(raw, d, dmin, slices, steps, sums, raw.shape[0] - 1, out)
 
 
-def matmul_blocks_sliced(raw, d, dmin, code, x, out):  # as quant_simd.matmul_blocks, for one token of a type in TYPES
+def matmul_blocks_sliced(raw, d, dmin, code, x, out):  # as quant_simd.matmul_blocks, for what takes() accepts
     """out[0, r] <- row r's values . x[0], x in three int8 slices (see the module's docstring)."""
     _check_shapes(raw, d, dmin, code, x, out)
-    if code not in TYPES or x.shape[0] != 1:
+    if not takes(code, x.shape[0]):
         raise ValueError(f"the sliced product takes one token of Q4_K, got {x.shape[0]} tokens of block type code {code}")
     _matmul_parallel(raw, d, dmin, code, x, out)

@@ -139,11 +139,11 @@ def sliced_active() -> bool:
     if not _SLICED:  # imported once, on the first ask (an import statement a call cost a decode step 2% of its time)
         from . import quant_sliced
 
-        _SLICED.append(quant_sliced.AVAILABLE)
-    return _SLICED[0]
+        _SLICED.append(quant_sliced)
+    return _SLICED[0].AVAILABLE
 
 
-_SLICED: list = []  # [quant_sliced.AVAILABLE], once imported
+_SLICED: list = []  # [the quant_sliced module], once imported
 
 
 def _invariant_kernels() -> bool:
@@ -365,10 +365,8 @@ class QuantizedMatrix:
             from . import quant_int8
 
             quant_int8.matmul_blocks_int8(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
-        elif len(x2) == 1 and self.qtype == "Q4_K" and sliced_active():
-            from . import quant_sliced
-
-            quant_sliced.matmul_blocks_sliced(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
+        elif sliced_active() and _SLICED[0].takes(_CODE[self.qtype], len(x2)):
+            _SLICED[0].matmul_blocks_sliced(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
         else:
             quant_simd.matmul_blocks(self.raw, self.d, self.dmin, _CODE[self.qtype], x2, out)
 

@@ -121,7 +121,7 @@ def profile(lm, threads: int, new_tokens: int, seconds, nbytes) -> list[str]:
         rows.append(f"| {name} | {t * 1e3:.2f} | {t / per:.0%} | {b / 2**20:.1f} | {rate} | {bound} |" if b else f"| {name} | {t * 1e3:.2f} | {t / per:.0%} | | | |")
     rows.append(f"| the rest: Python between the calls, sampling | {(per - accounted) * 1e3:.2f} | {(per - accounted) / per:.0%} | | | |")
     decode_step.ENABLED = True
-    head = [f"**{threads} thread{'s' if threads > 1 else ''}**: the default decode step (each layer two compiled calls) "
+    head = [f"**{threads} thread{'s' if threads > 1 else ''}**: the default decode step (each layer one compiled call) "
             f"takes **{default * 1e3:.1f} ms** a token ({1 / default:.1f} tokens/s), {int8 * 1e3:.1f} ms with int8 activations "
             f"({1 / int8:.1f} tokens/s). The NumPy path, timed part by part below: {steps / total:.1f} tokens/s, {per * 1e3:.1f} ms a token; "
             f"the bound of its {bytes_all / 2**20:.0f} MiB at {bw / 1e9:.1f} GB/s is {bytes_all / bw * 1e3:.1f} ms ({bw / bytes_all:.0f} tokens/s).", "",
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     lines = ["## Decode profile: where a token's time goes, and batches", "",
              f"`python benchmarks/profile_decode.py --threads {args.threads}` on {machine()}. Gemma 3 270M Q4_K_M, weights kept in their "
              f"blocks, greedy, {args.new_tokens} tokens after a 6-token prompt, the median of 3 runs. The default step runs each layer "
-             "in two compiled calls (`qkv/models/engines/decode_step.py`), which no clock can split; the parts are timed on the NumPy "
+             "in one compiled call (`qkv/models/engines/decode_step.py`), which no clock can split; the parts are timed on the NumPy "
              "path (`decode_step.ENABLED = False`), the same kernels called one by one from Python, each with a clock around it. "
              "A product's bound is its bytes at the read bandwidth of that many threads.", ""]  # fmt: skip
     batch_rows = []

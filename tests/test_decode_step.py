@@ -102,11 +102,64 @@ def test_attention_read_in_the_cache_gives_the_updates_floats_in_a_padded_batch(
 
 
 def test_a_decode_step_really_takes_the_compiled_calls(gemma, monkeypatch):
-    calls = []
-    real = decode_step.block
-    monkeypatch.setattr(decode_step, "block", lambda *a: calls.append(a[1]) or real(*a))
+    """Over a KVCache each layer is one compiled call (cached_layers), the cache's append and the attention
+    inside it; over another cache, or asked for the hidden states, two (block) around the attention."""
+    calls = {"block": [], "_cached_layer": 0}
+    real_block, real_layer = decode_step.block, decode_step._cached_layer
+    monkeypatch.setattr(decode_step, "block", lambda *a: calls["block"].append(a[1]) or real_block(*a))
+
+    def layer(*a):
+        calls["_cached_layer"] += 1
+        real_layer(*a)
+
+    monkeypatch.setattr(decode_step, "_cached_layer", layer)
     gemma.generate("Hi", max_new_tokens=3, stop_at_eos=False)
-    assert calls == list(range(gemma.config.num_layers)) * 2  # two decode steps; the prompt took _block
+    layers = list(range(gemma.config.num_layers))
+    assert calls == {"block": [], "_cached_layer": 2 * len(layers)}  # two decode steps; the prompt took _block
+    calls["_cached_layer"] = 0
+    cache = gemma.new_cache()
+    seen = _OtherCache(cache)
+    gemma.forward(gemma.tokenizer.encode("Hi"), seen)
+    gemma.forward([[9]], seen)
+    assert calls == {"block": layers, "_cached_layer": 0}
+    calls["block"].clear()
+    cache = gemma.new_cache()
+    gemma.forward(gemma.tokenizer.encode("Hi"), cache)
+    hidden = gemma.forward([[9]], cache, output_hidden_states=True).hidden_states
+    assert calls == {"block": layers, "_cached_layer": 0} and len(hidden) == len(layers) + 1
+
+
+def test_cached_layers_step_aside_where_the_buffers_are_not_theirs(gemma):
+    """cached_layers writes into the caches' buffers without bounds checks: buffers missing, of another
+    dtype or row count, a layer holding another number of tokens, or a mask of the wrong length, and it
+    does nothing at all (block then runs, with the cache's own checks)."""
+    plans = decode_step.plan(gemma)
+    E = gemma.config.hidden_size
+    h = np.zeros((1, 1, E), np.float32)
+    rope_at = gemma._rope_at(np.array([3]))
+    cache = gemma.new_cache()
+    gemma.forward(gemma.tokenizer.encode("Hi there"), cache)
+    before = [(c.seen, c.stored, *(x.copy() for x in c.keys_values())) for c in cache.layers]
+
+    def untouched():
+        return not h.any() and all((c.seen, c.stored) == b[:2] and all(map(np.array_equal, c.keys_values(), b[2:])) for c, b in zip(cache.layers, before))
+
+    n = len(cache)
+    assert not decode_step.cached_layers(gemma, plans, h, rope_at, gemma.new_cache(), None)  # no buffers yet
+    assert not decode_step.cached_layers(gemma, plans, np.zeros((2, 1, E), np.float32), rope_at, cache, None)  # 2 rows, buffers of 1
+    assert not decode_step.cached_layers(gemma, plans, h, rope_at, cache, np.ones((1, n), bool))  # a mask one short
+    assert not decode_step.cached_layers(gemma, plans, h, rope_at, cache, np.ones((1, n + 1), np.int8))  # not bool
+    last = cache.layers[-1]
+    k = last._k
+    last._k = k.astype(np.float64)
+    assert not decode_step.cached_layers(gemma, plans, h, rope_at, cache, None)  # the last layer's keys float64
+    last._k = k
+    last.seen += 1
+    assert not decode_step.cached_layers(gemma, plans, h, rope_at, cache, None)  # a layer ahead of the others
+    last.seen -= 1
+    assert untouched()
+    assert decode_step.cached_layers(gemma, plans, h, rope_at, cache, np.ones((1, n + 1), bool))
+    assert [c.seen for c in cache.layers] == [n + 1] * len(plans) and h.any()
 
 
 @pytest.mark.parametrize("family,qtype", [("llama", "Q4_K"), ("qwen3", "Q6_K"), ("llama", "Q8_0")])

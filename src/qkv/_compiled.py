@@ -775,6 +775,7 @@ def _attend_one(q, k, v, first, S, keep, window, scale, softcap, sinks, out):  #
 
 _ATTEND_ONE = (njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract"})(_attend_one),
                njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})(_attend_one))  # fmt: skip
+attend_one_parallel, attend_one_serial = _ATTEND_ONE  # by name, for compiled callers (decode_step)
 #: Below this many multiply-adds (B Hq S D) one query's attention runs on the calling thread: starting
 #: numba's threads costs more than the work (one Gemma 3 270M token over 70 keys: 72k; eight prompts
 #: decoded together, 573k, were 1.2x faster in parallel on 2 threads).
@@ -798,13 +799,18 @@ def attend_cached(q, k, v, first: int, last: int, keep, window: int, scale: floa
     out = np.empty((B, Hq, v.shape[-1]), np.float32)
     keep = _NO_KEEP if keep is None else np.ascontiguousarray(keep, np.bool_)
     sinks = _NO_SINKS if sinks is None else np.asarray(sinks, np.float32)
-    parallel = B * Hq * (last - first) * k.shape[3] >= ATTEND_ONE_PARALLEL_MIN
+    parallel = attend_one_in_parallel(B, Hq, last - first, k.shape[3])
     if parallel:
         from .threads import use_numba_threads
 
         use_numba_threads()
     _ATTEND_ONE[0 if parallel else 1](q, k, v, first, last, keep, int(window), np.float32(scale), np.float32(softcap), sinks, out)
     return out
+
+
+def attend_one_in_parallel(B: int, Hq: int, S: int, D: int) -> bool:
+    """Whether one query a row's attention over S keys runs on numba's threads (:data:`ATTEND_ONE_PARALLEL_MIN`)."""
+    return B * Hq * S * D >= ATTEND_ONE_PARALLEL_MIN
 
 
 _NO_KEEP = np.zeros((0, 0), np.bool_)

@@ -31,6 +31,7 @@ _controller = None  # threadpoolctl.ThreadpoolController, made once (it scans th
 
 _pinned = 0  # how many run_all calls are inside the pinned section right now
 _restore = None  # threadpoolctl's limiter of the first of them: restores BLAS when the last one leaves
+_AT_ONE = object()  # _restore when BLAS was at one thread already (the policy's count): nothing to restore
 
 
 def _have_threadpoolctl() -> bool:
@@ -160,21 +161,28 @@ def _blas_pinned():
     global _pinned, _restore
     with _lock:
         if _pinned == 0:
-            _take_blas_control()
-            _restore = _controller.limit(limits=1, user_api="blas")
-            _release_blas_control()
+            if _blas_target == 1 and _blas_default is not None and not _blas_pending:
+                # qkv's policy has BLAS at one thread already: nothing to set or restore. Limiting and
+                # restoring through threadpoolctl costs 20-45 us, and a decode step pins BLAS once a token.
+                _restore = _AT_ONE
+            else:
+                _take_blas_control()
+                _restore = _controller.limit(limits=1, user_api="blas")
+                _release_blas_control()
         _pinned += 1
     try:
         yield
     finally:
         with _lock:
             _pinned -= 1
-            if _pinned == 0:
+            if _pinned == 0 and (_restore is not _AT_ONE or _blas_pending):
                 _take_blas_control()  # the last to leave may be another thread than the first to enter
-                _restore.restore_original_limits()
+                if _restore is not _AT_ONE:
+                    _restore.restore_original_limits()
                 if _blas_pending:
                     _limit_blas_locked()
                 _release_blas_control()
+            if _pinned == 0:
                 _restore = None
 
 

@@ -143,9 +143,25 @@ class LayerCache:
                     f"key/value shapes should continue the cache's (..., S, D) = {want_k[:-1] + ('S',) + want_k[-1:]}, "
                     f"got key {k.shape} and value {v.shape}"
                 )
+        self._room(n, k, v)
+        self._k[..., self._end : self._end + n, :] = k
+        self._v[..., self._end : self._end + n, :] = v
+        return self._advance(n)
+
+    def _claim(self, n: int) -> tuple[int, int, int]:
+        """Room for ``n`` more keys and values in the buffers (made already, by an earlier append), for a
+        caller that writes them itself at [at, at + n): ``(at, start, end)``, start and end as
+        :meth:`_append` returns them. A decode step's compiled layer writes its key and value there and
+        attends over [start, end) in the same call (``decode_step``)."""
+        self._room(n, None, None)
+        at = self._end
+        return (at, *self._advance(n))
+
+    def _room(self, n: int, k, v) -> None:  # buffers shaped as k and v (as the buffers where None) with room for n more at _end
         keep = self.stored if self.window is None else min(self.stored, self.window - 1)
         need = keep + n
         if self._k is None or self._end + n > self._k.shape[-2]:
+            k, v = (self._k, self._v) if k is None else (k, v)
             cap = max(need, 16) if self._k is None else max(need, 2 * self._k.shape[-2] if self.window is None else 0)
             if self.window is not None:
                 cap = max(cap, 2 * (self.window - 1) + n)  # room to append before the next compaction
@@ -157,8 +173,8 @@ class LayerCache:
             self._k, self._v, self._start, self._end = new_k, new_v, 0, keep
         else:
             self._start = self._end - keep
-        self._k[..., self._end : self._end + n, :] = k
-        self._v[..., self._end : self._end + n, :] = v
+
+    def _advance(self, n: int) -> tuple[int, int]:  # n more written at _end: [start, end) the new queries attend over
         self._end += n
         self.seen += n
         start, end = self._start, self._end

@@ -1,4 +1,4 @@
-"""A decode step's layer in two compiled calls, with no Python between its products.
+"""A decode step's layer in one compiled call (two around another cache), with no Python between its products.
 
 One token a row, a layer of :meth:`CausalLM._block` is some 25 small steps:
 a norm, the query/key/value product, a slice, the query and key norms,
@@ -6,13 +6,20 @@ RoPE, the cache, attention, the output product, two more norms, a residual
 add, the up product, the activation, the down product, a norm, a residual.
 Each is microseconds of work and tens of microseconds of Python and NumPy
 dispatch: 9-11 ms of a 45-58 ms Gemma 3 270M token (``benchmarks/profile_decode.py``).
-Here a layer is two compiled calls around the cache and attention, which
-stay as they are::
+Here a layer is two compiled calls around the cache and attention::
 
     q, k, v = _attention_in(h, ...)      # norm, q/k/v product, q/k norms, RoPE
     o = attend(i, q, k, v)               # the caller's cache and attention
     _after_attention(o, h, ...)          # output product, post-norm, h += o, norm, up product,
                                          # activation, down product, post-norm, h += m
+
+and over a :class:`~qkv.cache.KVCache` (what ``generate`` decodes with) one:
+:func:`cached_layers` runs ``_cached_layer`` a layer, which calls the same two, writes
+the key and value into the cache's buffers at the place
+``LayerCache._claim`` made for them and attends over the kept ones with
+:func:`qkv._compiled.attend_cached`'s kernel in between. The Python around
+a layer's calls (the cache's append, the attention's wrapper, the checks
+that come with each) had cost about 45 us a layer.
 
 Each call runs the kernels the NumPy path runs (:mod:`quant_simd`'s products
 through the same compiled function, :mod:`qkv._compiled`'s RMSNorm, RoPE and
@@ -42,14 +49,14 @@ from numba import njit
 
 from ..._numba_cache import install as _install_cache
 
-from ..._compiled import _activation, _gated, _rms_norm_rows, _rope_rows
+from ..._compiled import _NO_KEEP, _NO_SINKS, _activation, _gated, _rms_norm_rows, _rope_rows, attend_one_in_parallel, attend_one_parallel, attend_one_serial
 from ...threads import use_numba_threads
 from ..formats import quant_int8, quant_simd, quant_sliced, quants
 from .functional import COMPILED_KINDS
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
-__all__ = ["ENABLED", "Plan", "plan", "block"]
+__all__ = ["ENABLED", "Plan", "plan", "block", "cached_layers"]
 
 #: Set False to run every decode step through ``CausalLM._block`` (the reference these calls are tested against).
 ENABLED = True
@@ -98,6 +105,12 @@ class Plan:
     mlp_norm: np.ndarray
     post_mlp_norm: np.ndarray
     act: int  # the compiled activation's kind: 0 exact GELU, 1 tanh GELU, 2 SiLU
+    F: int  # a gated MLP's width, else 0
+
+    def __post_init__(self):
+        # _cached_layer's weight arguments, in its order: built once a plan, not each token
+        self.weights = (self.attn_norm, *_args(self.qkv), self.q_norm, self.k_norm, *_args(self.out), self.post_attn_norm, self.mlp_norm,
+                        *_args(self.up), self.act, self.F, *_args(self.down), self.post_mlp_norm)  # fmt: skip
 
     def stale(self) -> bool:
         L = self.layer
@@ -130,7 +143,7 @@ def plan(lm) -> list | None:
         norms = [_norm(w) for w in (L.attn_norm, None if L.q_norm is None else (L.q_norm, None), None if L.k_norm is None else (L.k_norm, None), L.post_attn_norm, L.mlp_norm, L.post_mlp_norm)]
         if any(m is None for m in mats) or any(n is None for n in norms) or norms[0] is _NONE or norms[4] is _NONE:
             return None
-        plans.append(Plan(L, *mats, *norms, act))
+        plans.append(Plan(L, *mats, *norms, act, cfg.intermediate_size if cfg.gated_mlp else 0))
     lm._decode_plan = plans
     return plans
 
@@ -151,8 +164,45 @@ def block(lm, i: int, p: Plan, h: np.ndarray, rope_at, attend) -> None:  # (B, 1
     sliced = True if int8 is None and quants.sliced_active() else None
     q, k, v = _attention_in(h, p.attn_norm, eps, *_args(p.qkv), p.q_norm, p.k_norm, c4, s4, Hq, Hk, D, int8, sliced)
     o, _ = attend(i, q, k, v)  # (B, Hq, 1, D)
-    F = cfg.intermediate_size if cfg.gated_mlp else 0
-    _after_attention(np.ascontiguousarray(o).reshape(B, Hq * D), h, *_args(p.out), p.post_attn_norm, p.mlp_norm, *_args(p.up), p.act, F, *_args(p.down), p.post_mlp_norm, eps, int8, sliced)
+    _after_attention(np.ascontiguousarray(o).reshape(B, Hq * D), h, *_args(p.out), p.post_attn_norm, p.mlp_norm, *_args(p.up), p.act, p.F, *_args(p.down), p.post_mlp_norm, eps, int8, sliced)
+
+
+def cached_layers(lm, plans: list, h: np.ndarray, rope_at, cache, key_mask) -> bool:  # (B, 1, E) float32 updated in place
+    """Every layer of a decode step over a :class:`~qkv.cache.KVCache`, one compiled call each
+    (``_cached_layer``): :func:`block` with the key and value written into the layer's buffers and the
+    attention (:func:`qkv._compiled.attend_cached`'s kernel) inside the call; what is the same for every
+    layer (flags, eps, RoPE's angles of each base) worked out once. The same floats as :func:`block`.
+
+    ``key_mask``: the (B, cached + 1) mask of real tokens, or None. Returns False, having done nothing,
+    where some layer's buffers are not there yet, not float32 of the model's shapes, or hold another
+    number of tokens than the cache: the caller then runs :func:`block` with its own attention."""
+    cfg = lm.config
+    B = h.shape[0]
+    Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    seen = len(cache)
+    # The compiled calls write into the buffers and read the mask without bounds checks: checked here first.
+    if key_mask is not None and (key_mask.dtype != np.bool_ or key_mask.shape != (B, seen + 1)):
+        return False
+    for c in cache.layers:
+        kb, vb = c._k, c._v
+        if kb is None or kb.dtype != np.float32 or vb.dtype != np.float32 or kb.ndim != 4 or kb.shape[:2] != (B, Hk) or kb.shape[3] != D or vb.shape != kb.shape or c.seen != seen:
+            return False
+    eps, scale, softcap = np.float32(cfg.norm_eps), np.float32(cfg.query_scale), np.float32(cfg.attn_softcap or 0.0)
+    use_numba_threads()
+    int8 = True if quants.int8_active() else None  # as block
+    sliced = True if int8 is None and quants.sliced_active() else None
+    angles = {}
+    for i, (p, c) in enumerate(zip(plans, cache.layers)):
+        base = cfg.rope_bases[i]
+        if base not in angles:
+            cos, sin = rope_at(base)
+            angles[base] = cos.reshape((-1, 1) + cos.shape[-2:]), sin.reshape((-1, 1) + sin.shape[-2:])  # as rope_ shapes them
+        at, first, last = c._claim(1)  # the buffers may be new ones now
+        keep = _NO_KEEP if key_mask is None else np.ascontiguousarray(key_mask[:, first - last :])  # the kept keys' part, as the decoder's attend
+        sinks = lm.layers[i].sinks
+        _cached_layer(h, *angles[base], c._k, c._v, at, first, last, keep, cfg.windows[i] or 0, scale, softcap, _NO_SINKS if sinks is None else np.asarray(sinks, np.float32),
+                      attend_one_in_parallel(B, Hq, last - first, D), Hq, Hk, D, eps, int8, sliced, *p.weights)  # fmt: skip
+    return True
 
 
 def _args(m: _Matrix):
@@ -216,6 +266,26 @@ def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin
     _rope_rows(q.reshape(B, Hq, 1, D), cos, sin, qr)
     _rope_rows(k.reshape(B, Hk, 1, D), cos, sin, kr)
     return qr, kr, v
+
+
+@njit(cache=True, nogil=True)
+def _cached_layer(h, cos, sin, kbuf, vbuf, at, first, last, keep, window, scale, softcap, sinks, parallel, Hq, Hk, D, eps, int8, sliced,
+                  norm, raws, ds, dmins, codes, q_norm, k_norm, out_raws, out_ds, out_dmins, out_codes, post_norm, mlp_norm,
+                  up_raws, up_ds, up_dmins, up_codes, act, F, down_raws, down_ds, down_dmins, down_codes, post_mlp_norm):  # (B, 1, E) updated in place; (B, Hk, cap, D) buffers written at `at`  # fmt: skip
+    B = h.shape[0]
+    q, k, v = _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8, sliced)
+    for b in range(B):  # the cache's append
+        for j in range(Hk):
+            for d in range(D):
+                kbuf[b, j, at, d] = k[b, j, 0, d]
+                vbuf[b, j, at, d] = v[b, j, 0, d]
+    o = np.empty((B, Hq, D), np.float32)
+    if parallel:
+        attend_one_parallel(q.reshape(B, Hq, D), kbuf, vbuf, first, last, keep, window, scale, softcap, sinks, o)
+    else:
+        attend_one_serial(q.reshape(B, Hq, D), kbuf, vbuf, first, last, keep, window, scale, softcap, sinks, o)
+    _after_attention(o.reshape(B, Hq * D), h, out_raws, out_ds, out_dmins, out_codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, act, F,
+                     down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8, sliced)  # fmt: skip
 
 
 @njit(cache=True, nogil=True)

@@ -422,13 +422,16 @@ class CausalLM:
             return res if output_attentions else (res, None)
 
         attentions, hidden = [], [h.copy()] if output_hidden_states else []
-        # A decode step (one token a row): each layer in three compiled calls, the same floats (decode_step).
+        # A decode step (one token a row): each layer in one or two compiled calls, the same floats (decode_step).
         steps = None
         if L == 1 and B <= DIRECT_TOKENS and not output_attentions and h.dtype == np.float32 and kernel_available():
             from . import decode_step  # numba's (the fast extra)
 
             steps = decode_step.plan(self)
-        for i, layer in enumerate(self.layers):
+        # Over a KVCache, each layer's key and value are written and attended to inside its one compiled call
+        # (cached_layers); elsewhere (another cache, no buffers yet) attend is called between two (block).
+        done = steps is not None and in_place and not output_hidden_states and decode_step.cached_layers(self, steps, h, rope_at, cache, None if key_mask is None else key_mask[:, 0, 0, :])
+        for i, layer in enumerate(() if done else self.layers):
             if steps is not None:
                 decode_step.block(self, i, steps[i], h, rope_at, attend)
                 w = None
@@ -659,29 +662,32 @@ class CausalLM:
                     ids[b, width - len(r) :], mask[b, width - len(r) :] = r, True
                 logits = self.forward(ids, cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]  # (n, V)
             t_first = time.perf_counter()
-            while True:
-                toks = []
-                for b, run in enumerate(runs):
-                    if run.reason is None:
-                        lg = penalize(logits[b], run.prompt + run.new, repetition_penalty)
-                        tok = next_token(lg, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
-                        run.new.append(tok)
-                        if on_token is not None:
-                            on_token(tok)
-                        if stop_at_eos and tok in eos:
-                            run.reason = "eos"
-                        elif stop and any(x in self.tokenizer.decode(run.new[-64:]) for x in stop):  # a stop string ends within the last tokens
-                            run.reason = "stop"
-                        elif len(run.new) >= max_new_tokens:
-                            run.reason = "length"
-                    toks.append(run.new[-1])  # a finished row repeats its last token, never read
-                if all(run.reason is not None for run in runs):
-                    break
-                if self.config.max_positions and len(cache) + 1 > self.config.max_positions:
-                    break
-                if mask is not None:
-                    mask = np.concatenate([mask, np.ones((n, 1), bool)], axis=1)
-                logits = self.forward(np.array(toks)[:, None], cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]
+            # A step of a few rows pins BLAS to one thread (forward); pinned here once for the whole loop, each
+            # step's own pin is a count: limiting BLAS's threads and restoring them cost 15-45 us a token.
+            with blas_one_thread() if n <= SMALL_STEP_TOKENS else contextlib.nullcontext():
+                while True:
+                    toks = []
+                    for b, run in enumerate(runs):
+                        if run.reason is None:
+                            lg = penalize(logits[b], run.prompt + run.new, repetition_penalty)
+                            tok = next_token(lg, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
+                            run.new.append(tok)
+                            if on_token is not None:
+                                on_token(tok)
+                            if stop_at_eos and tok in eos:
+                                run.reason = "eos"
+                            elif stop and any(x in self.tokenizer.decode(run.new[-64:]) for x in stop):  # a stop string ends within the last tokens
+                                run.reason = "stop"
+                            elif len(run.new) >= max_new_tokens:
+                                run.reason = "length"
+                        toks.append(run.new[-1])  # a finished row repeats its last token, never read
+                    if all(run.reason is not None for run in runs):
+                        break
+                    if self.config.max_positions and len(cache) + 1 > self.config.max_positions:
+                        break
+                    if mask is not None:
+                        mask = np.concatenate([mask, np.ones((n, 1), bool)], axis=1)
+                    logits = self.forward(np.array(toks)[:, None], cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]
         t1 = time.perf_counter()
         prefill = (t_first or t1) - t0
         decode = t1 - (t_first or t1)

@@ -46,6 +46,7 @@ import contextvars
 
 import numpy as np
 
+from ... import flash as _flash
 from ...threads import use_numba_threads
 from ..errors import ModelError
 
@@ -166,9 +167,7 @@ def _route(tokens: int, kernel: str | None) -> str:
 
 def kernel_available() -> bool:
     """Whether numba (and SciPy) are there for the compiled products (otherwise: dequantize, then NumPy)."""
-    from ...flash import compiled_available
-
-    return compiled_available()
+    return _flash.compiled_available()  # the module's attribute, read at each call (tests replace it)
 
 
 _told = []
@@ -515,9 +514,7 @@ def _invariant_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:  # (..., in), (o
 
 
 def _default_kernel() -> str:
-    from ...flash import KERNEL
-
-    return KERNEL
+    return _flash.KERNEL
 
 
 def dequantize_rows(raw: np.ndarray, qtype: str, n_in: int) -> np.ndarray:

@@ -210,9 +210,14 @@ def _args(m: _Matrix):
 
 
 # ------------------------------------------------------------ the compiled calls
+# Those below _cached_layer are inlined where they are called (inline="always"; still callable, and cached,
+# on their own): numba optimizes again every library a compiled function links in, so each level of calls
+# between a step and the kernels optimized the kernels' code once more (3-5 s a level of a fresh install's
+# first generate: 47.7 -> 36.9 s with the one-call step). They hold no arithmetic but h += y, so the
+# floats are the same (tests/test_decode_step.py).
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _part(raw, d, dmin, code, x, out, int8, sliced):  # one part, as QuantizedMatrix._direct multiplies it
     if int8 is None:  # decided when compiling (see block)
         if sliced is None:
@@ -225,7 +230,7 @@ def _part(raw, d, dmin, code, x, out, int8, sliced):  # one part, as QuantizedMa
         quant_int8._matmul_parallel(raw, d, dmin, code, x, out)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _product(raws, ds, dmins, codes, x, out, int8, sliced):  # (T, in) f32 -> out (T, sum R_p): each part as quants.matmul multiplies it
     if raws[0].shape[0] == out.shape[1]:  # one part (the others empty)
         _part(raws[0], ds[0], dmins[0], codes[0], x, out, int8, sliced)
@@ -242,7 +247,7 @@ def _product(raws, ds, dmins, codes, x, out, int8, sliced):  # (T, in) f32 -> ou
         c0 += part.shape[1]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8, sliced):  # (B, 1, E) -> q (B, Hq, 1, D), k, v (B, Hk, 1, D)
     B, E = h.shape[0], h.shape[2]
     a = np.empty((B, 1, E), np.float32)
@@ -288,7 +293,7 @@ def _cached_layer(h, cos, sin, kbuf, vbuf, at, first, last, keep, window, scale,
                      down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8, sliced)  # fmt: skip
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _after_attention(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, act, F,
                      down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8, sliced):  # (B, Hq D), (B, 1, E) updated in place  # fmt: skip
     B, E = h.shape[0], h.shape[2]
@@ -309,7 +314,7 @@ def _after_attention(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws,
     _add_product(h, down_raws, down_ds, down_dmins, down_codes, g, post_mlp_norm, eps, int8, sliced)  # h += norm(g W_down)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _add_product(h, raws, ds, dmins, codes, x, post_norm, eps, int8, sliced):  # (B, 1, E) += the product of x (B, in), normed where post_norm
     B, E = h.shape[0], h.shape[2]
     y = np.empty((B, 1, E), np.float32)

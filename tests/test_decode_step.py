@@ -101,6 +101,30 @@ def test_attention_read_in_the_cache_gives_the_updates_floats_in_a_padded_batch(
     np.testing.assert_array_equal(runs[0], runs[1])
 
 
+def test_the_one_call_route_follows_a_cache_that_compacts(gemma):
+    """A sliding-window cache moves its kept keys to the front of its buffers when they fill up
+    (LayerCache._room); the one-call route claims its room the same way: with windows of 8 on the
+    cache (so it compacts every few tokens), 40 tokens one at a time give the update() route's
+    logits bit for bit, and the same kept keys and values."""
+    from qkv.cache import KVCache
+
+    ids = gemma.tokenizer.encode(LONG)[:48]
+    windows = [None if w is None else 8 for w in gemma.config.windows]
+    runs, caches = [], []
+    for wrap in (False, True):
+        cache = KVCache(gemma.config.num_layers, windows)
+        seen = _OtherCache(cache) if wrap else cache
+        out = [gemma.forward(ids[:8], seen, logits_to_keep=1).logits[0, -1]]
+        out += [gemma.forward(ids[t : t + 1], seen).logits[0, -1] for t in range(8, 48)]
+        runs.append(np.stack(out))
+        caches.append(cache)
+    np.testing.assert_array_equal(runs[0], runs[1])
+    for a, b in zip(*(c.layers for c in caches)):
+        assert (a.stored, a.seen) == (b.stored, b.seen)
+        for x, y in zip(a.keys_values(), b.keys_values()):
+            np.testing.assert_array_equal(x, y)
+
+
 def test_a_decode_step_really_takes_the_compiled_calls(gemma, monkeypatch):
     """Over a KVCache each layer is one compiled call (cached_layers), the cache's append and the attention
     inside it; over another cache, or asked for the hidden states, two (block) around the attention."""

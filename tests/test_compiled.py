@@ -475,6 +475,33 @@ def test_every_module_with_compiled_code_shares_one_cache_stamp():
     assert set(stamps.values()) == {_numba_cache.stamp()}, stamps
 
 
+def test_no_two_compiled_functions_share_a_cache_entry():
+    """numba's cache files a function's machine code under its module, name and first line (then its
+    signature), not its flags: two dispatchers of one function (parallel and not) shared an entry, and a
+    later process loaded one's code for both. Every cached function of qkv's compiled modules, the
+    twins kept in tuples included, has an entry of its own."""
+    import importlib
+
+    from numba.core.dispatcher import Dispatcher
+
+    from qkv import _numba_cache
+
+    seen = {}
+    for name in _numba_cache.MODULES:
+        module = importlib.import_module("qkv." + name[: -len(".py")].replace("/", "."))
+        found = [v for v in vars(module).values() if isinstance(v, Dispatcher)]
+        found += [x for v in vars(module).values() if isinstance(v, tuple) for x in v if isinstance(x, Dispatcher)]
+        for f in found:
+            if getattr(f, "_cache", None) is None or not hasattr(f._cache, "_impl"):
+                continue  # not cached
+            entry = (f._cache._cache_path, f._cache._impl.filename_base)
+            assert seen.setdefault(entry, f) is f, f"{f.py_func.__qualname__} and {seen[entry].py_func.__qualname__} share {entry[1]}"
+    from qkv.models.formats import quant_kernels
+
+    assert quant_kernels._DEQUANTIZE[0] in seen.values() and quant_kernels._DEQUANTIZE[1] in seen.values()
+    assert len(seen) > 20
+
+
 def test_the_cache_stamp_changes_with_any_compiled_module(tmp_path, monkeypatch):
     from qkv import _numba_cache
 

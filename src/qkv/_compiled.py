@@ -43,7 +43,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import populate_array
 
-from ._numba_cache import install as _install_cache
+from ._numba_cache import install as _install_cache, twin
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
@@ -774,7 +774,7 @@ def _attend_one(q, k, v, first, S, keep, window, scale, softcap, sinks, out):  #
 
 
 _ATTEND_ONE = (njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract"})(_attend_one),
-               njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})(_attend_one))  # fmt: skip
+               njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})(twin(_attend_one, "_serial")))  # (twin: see _numba_cache)  # fmt: skip
 attend_one_parallel, attend_one_serial = _ATTEND_ONE  # by name, for compiled callers (decode_step)
 #: Below this many multiply-adds (B Hq S D) one query's attention runs on the calling thread: starting
 #: numba's threads costs more than the work (one Gemma 3 270M token over 70 keys: 72k; eight prompts

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["MODULES", "install", "stamp"]
+__all__ = ["MODULES", "install", "stamp", "twin"]
 
 _ROOT = Path(__file__).resolve().parent
 
@@ -81,3 +81,21 @@ def _from_function(cls, py_func, py_file):
 
 def _get_source_stamp(self):
     return stamp()
+
+
+def twin(fn, suffix: str):
+    """``fn`` under another name (``fn.__qualname__ + suffix``): the function to compile a second time
+    with other flags (``parallel=True`` and not, say).
+
+    numba's cache keeps a function's machine code under its name, its first line and its signature,
+    not its flags: the two compiled versions of one function shared one entry, and a later process
+    loaded one version's code for both (after the serial version had been saved first, the parallel
+    dequantizer ran on one thread in every later process; checked by CPU time against wall time).
+    A copy under its own name gets entries of its own."""
+    import types
+
+    g = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    g.__qualname__ = fn.__qualname__ + suffix
+    g.__module__ = fn.__module__
+    g.__doc__ = fn.__doc__
+    return g

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..._numba_cache import install as _install_cache
+from ..._numba_cache import install as _install_cache, twin
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
@@ -195,7 +195,7 @@ def _dequantize(raw, d, dmin, code, out):  # the rows, each by its type's decode
 # Compiled twice: over rows in parallel (numba's threads), and on the calling thread (for the
 # products of many tokens, whose tiles qkv's own pool shares out beside BLAS: numba's OpenMP
 # threads, spinning after a parallel loop, made the BLAS call after it 13x slower).
-_DEQUANTIZE = (njit(cache=True, nogil=True, parallel=True)(_dequantize), njit(cache=True, nogil=True)(_dequantize))
+_DEQUANTIZE = (njit(cache=True, nogil=True, parallel=True)(_dequantize), njit(cache=True, nogil=True)(twin(_dequantize, "_serial")))  # (twin: see _numba_cache)
 _BLOCK_CODES = (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K)
 
 
@@ -237,7 +237,7 @@ def _dq_lut(raw16, table, out):  # (R, in) uint16, (65536,) f32, (R, in) f32
             out[r, j] = table[raw16[r, j]]
 
 
-_DQ_LUT = (njit(cache=True, nogil=True, parallel=True)(_dq_lut), njit(cache=True, nogil=True)(_dq_lut))
+_DQ_LUT = (njit(cache=True, nogil=True, parallel=True)(_dq_lut), njit(cache=True, nogil=True)(twin(_dq_lut, "_serial")))
 
 
 def dequantize_lut_into(raw16, table, out, *, parallel: bool = True):

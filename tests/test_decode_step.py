@@ -57,18 +57,16 @@ class _OtherCache:  # a cache that is not a qkv.KVCache: the decoder can only ca
         return self.inner.update(layer, key, value)
 
 
-def test_attention_read_in_the_cache_gives_the_updates_floats_across_the_window(gemma):
-    """A decode step attends over a KVCache's buffers where they lie (decoder's in-place route); a cache
-    seen only through update() takes the views and attend_one's copy of them: the same logits bit for
-    bit, one token at a time across the 512-key window of the sliding layers, and the same cache."""
-    assert any(w is not None for w in gemma.config.windows)
-    ids = gemma.tokenizer.encode(LONG)[:520]
+def _same_both_routes(lm, ids, prompt: int, new_cache):
+    """Token ids fed one at a time after a prompt of ``prompt`` of them, through a KVCache (the decoder
+    reads its buffers in place) and through the same cache seen only by update(): the same logits bit
+    for bit, and the same kept keys and values."""
     runs, caches = [], []
     for wrap in (False, True):
-        cache = gemma.new_cache()
+        cache = new_cache()
         seen = _OtherCache(cache) if wrap else cache
-        out = [gemma.forward(ids[:505], seen, logits_to_keep=1).logits[0, -1]]
-        out += [gemma.forward(ids[t : t + 1], seen).logits[0, -1] for t in range(505, 520)]
+        out = [lm.forward(ids[:prompt], seen, logits_to_keep=1).logits[0, -1]]
+        out += [lm.forward(ids[t : t + 1], seen).logits[0, -1] for t in range(prompt, len(ids))]
         runs.append(np.stack(out))
         caches.append(cache)
     np.testing.assert_array_equal(runs[0], runs[1])
@@ -76,6 +74,14 @@ def test_attention_read_in_the_cache_gives_the_updates_floats_across_the_window(
         assert (a.stored, a.seen) == (b.stored, b.seen)
         for x, y in zip(a.keys_values(), b.keys_values()):
             np.testing.assert_array_equal(x, y)
+
+
+def test_attention_read_in_the_cache_gives_the_updates_floats_across_the_window(gemma):
+    """A decode step attends over a KVCache's buffers where they lie (decoder's in-place route); a cache
+    seen only through update() takes the views and attend_one's copy of them: the same logits bit for
+    bit, one token at a time across the 512-key window of the sliding layers, and the same cache."""
+    assert any(w is not None for w in gemma.config.windows)
+    _same_both_routes(gemma, gemma.tokenizer.encode(LONG)[:520], 505, gemma.new_cache)
 
 
 def test_attention_read_in_the_cache_gives_the_updates_floats_in_a_padded_batch(gemma):
@@ -108,21 +114,8 @@ def test_the_one_call_route_follows_a_cache_that_compacts(gemma):
     logits bit for bit, and the same kept keys and values."""
     from qkv.cache import KVCache
 
-    ids = gemma.tokenizer.encode(LONG)[:48]
     windows = [None if w is None else 8 for w in gemma.config.windows]
-    runs, caches = [], []
-    for wrap in (False, True):
-        cache = KVCache(gemma.config.num_layers, windows)
-        seen = _OtherCache(cache) if wrap else cache
-        out = [gemma.forward(ids[:8], seen, logits_to_keep=1).logits[0, -1]]
-        out += [gemma.forward(ids[t : t + 1], seen).logits[0, -1] for t in range(8, 48)]
-        runs.append(np.stack(out))
-        caches.append(cache)
-    np.testing.assert_array_equal(runs[0], runs[1])
-    for a, b in zip(*(c.layers for c in caches)):
-        assert (a.stored, a.seen) == (b.stored, b.seen)
-        for x, y in zip(a.keys_values(), b.keys_values()):
-            np.testing.assert_array_equal(x, y)
+    _same_both_routes(gemma, gemma.tokenizer.encode(LONG)[:48], 8, lambda: KVCache(gemma.config.num_layers, windows))
 
 
 def test_a_decode_step_really_takes_the_compiled_calls(gemma, monkeypatch):

@@ -155,13 +155,8 @@ def block(lm, i: int, p: Plan, h: np.ndarray, rope_at, attend) -> None:  # (B, 1
     Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = np.float32(cfg.norm_eps)
     use_numba_threads()
-    cos, sin = rope_at(cfg.rope_bases[i])  # (L, D/2) or (B, 1, L, D/2)
-    c4, s4 = cos.reshape((-1, 1) + cos.shape[-2:]), sin.reshape((-1, 1) + sin.shape[-2:])  # as rope_ shapes them
-    # llama.cpp's int8 activations where asked for. None, not False: numba drops a branch on `is None` when
-    # compiling (not on a bool), so the default step never compiles quant_int8's kernels (14 s of a cold start).
-    int8 = True if quants.int8_active() else None
-    # One token's Q4_K products in int8 slices where they may be (quants.sliced_active): None compiles them out.
-    sliced = True if int8 is None and quants.sliced_active() else None
+    c4, s4 = _angles(rope_at, cfg.rope_bases[i])
+    int8, sliced = _flags()
     q, k, v = _attention_in(h, p.attn_norm, eps, *_args(p.qkv), p.q_norm, p.k_norm, c4, s4, Hq, Hk, D, int8, sliced)
     o, _ = attend(i, q, k, v)  # (B, Hq, 1, D)
     _after_attention(np.ascontiguousarray(o).reshape(B, Hq * D), h, *_args(p.out), p.post_attn_norm, p.mlp_norm, *_args(p.up), p.act, p.F, *_args(p.down), p.post_mlp_norm, eps, int8, sliced)
@@ -189,20 +184,31 @@ def cached_layers(lm, plans: list, h: np.ndarray, rope_at, cache, key_mask) -> b
             return False
     eps, scale, softcap = np.float32(cfg.norm_eps), np.float32(cfg.query_scale), np.float32(cfg.attn_softcap or 0.0)
     use_numba_threads()
-    int8 = True if quants.int8_active() else None  # as block
-    sliced = True if int8 is None and quants.sliced_active() else None
+    int8, sliced = _flags()
     angles = {}
     for i, (p, c) in enumerate(zip(plans, cache.layers)):
         base = cfg.rope_bases[i]
         if base not in angles:
-            cos, sin = rope_at(base)
-            angles[base] = cos.reshape((-1, 1) + cos.shape[-2:]), sin.reshape((-1, 1) + sin.shape[-2:])  # as rope_ shapes them
+            angles[base] = _angles(rope_at, base)
         at, first, last = c._claim(1)  # the buffers may be new ones now
         keep = _NO_KEEP if key_mask is None else np.ascontiguousarray(key_mask[:, first - last :])  # the kept keys' part, as the decoder's attend
         sinks = lm.layers[i].sinks
         _cached_layer(h, *angles[base], c._k, c._v, at, first, last, keep, cfg.windows[i] or 0, scale, softcap, _NO_SINKS if sinks is None else np.asarray(sinks, np.float32),
                       attend_one_in_parallel(B, Hq, last - first, D), Hq, Hk, D, eps, int8, sliced, *p.weights)  # fmt: skip
     return True
+
+
+def _flags():  # (int8, sliced): the compiled calls' product flags, True or None
+    # llama.cpp's int8 activations where asked for. None, not False: numba drops a branch on `is None` when
+    # compiling (not on a bool), so the default step never compiles quant_int8's kernels (14 s of a cold start).
+    int8 = True if quants.int8_active() else None
+    # One token's Q4_K products in int8 slices where they may be (quants.sliced_active): None compiles them out.
+    return int8, True if int8 is None and quants.sliced_active() else None
+
+
+def _angles(rope_at, base):  # RoPE's cos and sin of a base, (L, D/2) or (B, 1, L, D/2), shaped as rope_ takes them
+    cos, sin = rope_at(base)
+    return cos.reshape((-1, 1) + cos.shape[-2:]), sin.reshape((-1, 1) + sin.shape[-2:])
 
 
 def _args(m: _Matrix):

@@ -156,3 +156,22 @@ def test_rows_taken_in_pairs_give_each_row_its_own_bits():
         alone = np.empty((1, 1), np.float32)
         quant_sliced.matmul_blocks_sliced(m.raw[r : r + 1], m.d[r : r + 1], m.dmin[r : r + 1], code, x, alone)
         assert alone.tobytes() == out[:, r].tobytes(), r
+
+
+def test_a_stacked_matrix_sliced_once_gives_each_part_its_own_bits():
+    """The parts of a stacked matrix (q, k and v; gate and up) in one call with x sliced once: each part's
+    columns are the bits that part gives alone, odd parts and an empty one (a step's placeholder) included."""
+    rng = np.random.default_rng(7)
+    parts = [_q4k(rows, 512, rng) for rows in (37, 8, 15)]
+    empty = quants._read_only(np.zeros((0, 0), np.uint8)), np.zeros((0, 0), np.float32)  # as decode_step passes them
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    codes = np.full(4, quants._CODE["Q4_K"], np.int64)
+    assert quant_sliced.takes_all(codes, 1) and not quant_sliced.takes_all(codes, 2)
+    assert not quant_sliced.takes_all(np.array([quants._CODE["Q4_K"], quants._CODE["Q6_K"]]), 1)
+    raws, ds, dmins = (tuple(getattr(m, a) for m in parts) for a in ("raw", "d", "dmin"))
+    out = np.full((1, 60), np.nan, np.float32)
+    quant_sliced._matmul_parts_parallel((*raws[:2], empty[0], raws[2]), (*ds[:2], empty[1], ds[2]), (*dmins[:2], empty[1], dmins[2]), x, out)
+    alone = [np.empty((1, m.raw.shape[0]), np.float32) for m in parts]
+    for m, a in zip(parts, alone):
+        quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, quants._CODE["Q4_K"], x, a)
+    assert out.tobytes() == np.concatenate(alone, axis=1).tobytes()

@@ -241,6 +241,9 @@ def _product(raws, ds, dmins, codes, x, out, int8, sliced):  # (T, in) f32 -> ou
     if raws[0].shape[0] == out.shape[1]:  # one part (the others empty)
         _part(raws[0], ds[0], dmins[0], codes[0], x, out, int8, sliced)
         return
+    if int8 is None and sliced is not None and quant_sliced.takes_all(codes, x.shape[0]):  # x sliced once for all the parts
+        quant_sliced._matmul_parts_parallel(raws, ds, dmins, x, out)
+        return
     c0 = 0
     for j in range(len(raws)):
         if raws[j].shape[0] == 0:

@@ -66,7 +66,7 @@ from .quant_simd import _F32, _I8, _I32, _Q4_K, _V8F, _bytes, _c, _check_shapes,
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
-__all__ = ["AVAILABLE", "matmul_blocks_sliced", "slice_activations", "takes"]
+__all__ = ["AVAILABLE", "matmul_blocks_sliced", "slice_activations", "takes", "takes_all"]
 
 #: Where numba compiles for AVX-512 with VNNI and byte operations (Zen 4, Ice Lake and later): the
 #: instructions this kernel is written in. Elsewhere :mod:`quant_simd`'s float kernel multiplies.
@@ -81,6 +81,14 @@ def takes(code, tokens):  # a block type's code (quants._CODE), tokens -> whethe
     32: 9.4-11.6 against 8.1-8.5. :class:`~qkv.models.formats.quants.QuantizedMatrix` and the compiled
     decode step both route by it."""
     return tokens == 1 and code == _Q4_K
+
+@njit(cache=True, nogil=True)
+def takes_all(codes, tokens):  # the block type codes of a matrix's parts, tokens -> whether takes() accepts every part
+    for code in codes:
+        if not takes(code, tokens):
+            return False
+    return True
+
 
 _V16I, _V16F, _V64B = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_I8, 64)
 #: The order of a super-block's 8 runs in the vectors: vector v (64 bytes of weights) holds runs ORDER[2v]
@@ -233,6 +241,30 @@ def _matmul_parallel(raw, d, dmin, code, x, out):  # one token: out (1, R) <- W 
         _two(raw, d, dmin, slices, steps, sums, p, p + half, out)
     if raw.shape[0] % 2:
         _one(raw, d, dmin, slices, steps, sums, raw.shape[0] - 1, out)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _matmul_parts_parallel(raws, ds, dmins, x, out):  # one token; parts (R_p, bytes) ... -> out (1, sum R_p), the parts' rows side by side
+    """:func:`_matmul_parallel` of each part (a stacked matrix: q, k and v, or gate and up) into its columns
+    of ``out``, with one slicing of x and one parallel loop for all of them: the same rows, the same bits.
+    Each part's rows p and p + R_p // 2 go together as there; empty parts (no rows) are skipped."""
+    slices, steps, sums = slice_activations(x)
+    n = len(raws)
+    first = np.zeros(n + 1, np.int64)  # the first pair of part j, of all parts' pairs
+    col = np.zeros(n, np.int64)  # the first column of part j in out
+    for j in range(n):
+        first[j + 1] = first[j] + raws[j].shape[0] // 2
+        if j + 1 < n:
+            col[j + 1] = col[j] + raws[j].shape[0]
+    for i in prange(first[n]):
+        j = 0
+        while i >= first[j + 1]:
+            j += 1
+        half = raws[j].shape[0] // 2
+        _two(raws[j], ds[j], dmins[j], slices, steps, sums, i - first[j], i - first[j] + half, out[0, col[j] :])
+    for j in range(n):  # an odd part's last row
+        if raws[j].shape[0] % 2:
+            _one(raws[j], ds[j], dmins[j], slices, steps, sums, raws[j].shape[0] - 1, out[0, col[j] :])
 
 
 def matmul_blocks_sliced(raw, d, dmin, code, x, out):  # as quant_simd.matmul_blocks, for what takes() accepts

@@ -185,49 +185,50 @@ def slice_activations(x):  # (T, N) float32 -> slices (T, 3, N) int8, steps (T, 
     as the float kernels give); a run of zeros, step 0; a run whose largest value is below 2^-126 too
     (its products' share is below float32's smallest normal number)."""
     T, n = x.shape
-    slices = np.zeros((T, 3, n), np.int8)
+    slices = np.empty((T, 3, n), np.int8)
     steps = np.empty((T, n // 32), np.float32)
     sums = np.empty((T, n // 32), np.float32)
     bits = x.view(np.int32)
-    m = np.empty(32, np.int32)
-    # (each loop over 1-D views, indexed by its own counter, in int32: over the 2-D and 3-D arrays, with
-    # numba's handling of negative indices, the slicing took 3.4 ns a value; this way 1.5-1.7)
+    # Each token's rows as 1-D views, made once, indexed by unsigned counters: numba checks a signed index
+    # for a negative value (and views made a run cost a few ns each): 1.14 -> 0.77 us for 768 values.
     for t in range(T):
+        xt, bt = x[t], bits[t]
+        s2t, s1t, s0t = slices[t, 0], slices[t, 1], slices[t, 2]
         for k in range(n // 32):
-            xr, br = x[t, 32 * k : 32 * k + 32], bits[t, 32 * k : 32 * k + 32]
+            first = np.uint64(32 * k)
+            at = np.uint64(256 * (k // 8) + 32 * _SLOT[k % 8])  # the run's place in the slices
             # the largest |x| by its bits: an integer maximum, which vectorizes (a float one is a chain of
             # 32 dependent maxima without fast-math), and inf or NaN shows as bits >= those of inf
             top_bits = np.int32(0)
             for i in range(32):
-                top_bits = max(top_bits, br[i] & np.int32(0x7FFFFFFF))
-            if top_bits >= np.int32(0x7F800000):
-                steps[t, k] = np.nan
-                sums[t, k] = np.nan
-                continue
-            if top_bits < np.int32(0x00800000):  # zeros, or below the smallest normal float32
-                steps[t, k] = 0.0
-                sums[t, k] = 0.0
+                top_bits = max(top_bits, bt[first + np.uint64(i)] & np.int32(0x7FFFFFFF))
+            if top_bits >= np.int32(0x7F800000) or top_bits < np.int32(0x00800000):
+                # inf or NaN: a NaN step and sum; zeros, or below the smallest normal float32: step 0
+                bad = top_bits >= np.int32(0x7F800000)
+                steps[t, k] = np.nan if bad else 0.0
+                sums[t, k] = np.nan if bad else 0.0
+                for i in range(32):
+                    s2t[at + np.uint64(i)] = 0
+                    s1t[at + np.uint64(i)] = 0
+                    s0t[at + np.uint64(i)] = 0
                 continue
             top = _float_from_bits(top_bits, np.float32(0.0))
             e = (top_bits >> 23) - 126  # 2^(e - 1) <= top < 2^e
             inv = math.ldexp(1.0, 23 - e)
             if top * inv > _REACH:
                 inv = math.ldexp(1.0, 22 - e)
-            total = 0
-            for i in range(32):  # x * inv is exact (a power of two; float64 holds every float32 times it), then
-                # rounded to the nearest integer (ties to even) by adding and taking away 1.5 * 2^52 (np.rint is a call)
-                m[i] = np.int32((np.float64(xr[i]) * inv + _ROUND) - _ROUND)
+            total = np.int32(0)
             for i in range(32):
-                total += m[i]
-            at = 256 * (k // 8) + 32 * _SLOT[k % 8]
-            s2r, s1r, s0r = slices[t, 0, at : at + 32], slices[t, 1, at : at + 32], slices[t, 2, at : at + 32]
-            for i in range(32):
-                s0 = ((m[i] + np.int32(128)) & np.int32(255)) - np.int32(128)
-                m1 = (m[i] - s0) >> np.int32(8)
+                # x * inv is exact (a power of two; float64 holds every float32 times it), then rounded to
+                # the nearest integer (ties to even) by adding and taking away 1.5 * 2^52 (np.rint is a call)
+                m = np.int32((np.float64(xt[first + np.uint64(i)]) * inv + _ROUND) - _ROUND)
+                total += m
+                s0 = ((m + np.int32(128)) & np.int32(255)) - np.int32(128)
+                m1 = (m - s0) >> np.int32(8)
                 s1 = ((m1 + np.int32(128)) & np.int32(255)) - np.int32(128)
-                s2r[i] = (m1 - s1) >> np.int32(8)
-                s1r[i] = s1
-                s0r[i] = s0
+                s2t[at + np.uint64(i)] = (m1 - s1) >> np.int32(8)
+                s1t[at + np.uint64(i)] = s1
+                s0t[at + np.uint64(i)] = s0
             steps[t, k] = np.float32(1.0 / inv)
             sums[t, k] = np.float32(total / inv)
     return slices, steps, sums

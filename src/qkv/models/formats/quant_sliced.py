@@ -25,9 +25,14 @@ for a row's super-block, with q the 4-bit weights of 64 values a vector::
     off = fma(dmin * m_run, step_run * sum(m over the run), off)   # the 8 runs' offsets at once
     out[t, r] = (acc's lanes added in halves) - (off's lanes added in halves)
 
-About 73 instructions a super-block (counted in the compiled loop) against
-110 for the float kernel: one token's Q4_K super-block in 9-12 ns against
-14-16 in the L2 cache (:func:`takes`). The error is float32's: against
+One token's Q4_K super-block in 8.2-8.5 ns against the float kernel's
+13.3-13.5 (one thread, Zen 4; :func:`takes`). The vector pipes bound it, not
+memory: for two rows a super-block is 24 ``vpdpbusd``, 16 shifts, 8
+conversions, 8 multiply-adds, 8 permutes and 8 nibble masks of 512 bits,
+and the scales' unpacking in integer registers (``quant_simd._k_factors8``).
+Taking out the shifts (to time them) saved 10%, the permutes 9%; 256-bit
+``vpdpbusd`` of one run each, with each run's factor broadcast from memory
+into the multiply-add (no permutes), took 1.2x the time. The error is float32's: against
 the product in float64, it is 0.3-0.8x the error of NumPy's float32 product
 of the dequantized matrix (BLAS) in the largest difference and 0.5-1.1x on
 average, on a Llama file's Q4_K matrices with normal activations and with a
@@ -76,7 +81,8 @@ AVAILABLE = _target_has("avx512vnni") and _target_has("avx512bw") and _target_ha
 def takes(code, tokens):  # a block type's code (quants._CODE), tokens -> whether this module multiplies them
     """One token of Q4_K (a Llama file's whole decode; the other types stay float). Measured to route by
     (one thread, Zen 4, a Llama Q4_K file's 768 x 768 and 768 x 2,048 matrices in the L2 cache, the
-    slicing of x included): 11.7 and 10.5 ns a super-block against quant_simd's 15.6 and 14.8. Two
+    slicing of x included): 11.7 and 10.5 ns a super-block against quant_simd's 15.6 and 14.8 (8.3 and
+    13.4 since both unpack the scales in integer registers: 2,048 x 768 and the output table). Two
     tokens: 10.4-11.6 ns a token's super-block against 11.3-12.4; 8 tokens: 7.2-9.0 against 7.7-8.1;
     32: 9.4-11.6 against 8.1-8.5. :class:`~qkv.models.formats.quants.QuantizedMatrix` and the compiled
     decode step both route by it."""

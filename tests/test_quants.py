@@ -47,6 +47,15 @@ def test_decoding_is_gguf_dequantize_bit_for_bit(qtype, kernel, extreme):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # the same bits
     rows = np.array([5, 0, 23, 5])
     np.testing.assert_array_equal(m.take(rows.reshape(2, 2)), want[rows].reshape(2, 2, cols))
+    for one in (np.int64(23), np.array([0]), np.array([[7]], np.uint32), 23):  # one id (a decode step's): its own route
+        got = m.take(one)
+        assert got.shape == (*np.shape(one), cols) and got.dtype == np.float32
+        np.testing.assert_array_equal(got.reshape(cols).view(np.uint32), want[int(np.ravel(one)[0])].view(np.uint32))
+    for bad in (-1, 24, np.array([-1]), np.array([3, -2]), np.array([[0], [24]])):  # never wraps, never reads past the end
+        with pytest.raises(ValueError, match=r"ids should lie in \[0, 23\], got (-1|24|-2)"):
+            m.take(bad)
+    with pytest.raises(TypeError, match="ids should be integers"):
+        m.take(np.array([1.0]))
 
 
 def float32_bound(x, w, want):  # (..., in) f32, (out, in) f64, (..., out) f64 -> the error a float32 product may have

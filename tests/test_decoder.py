@@ -58,6 +58,17 @@ def test_tokenizer_ids_equal_transformers(gemma, hf_gemma):
         assert gemma.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True), text
 
 
+def test_tokenizer_refuses_ids_it_would_truncate_or_wrap(gemma):
+    tok = gemma.tokenizer
+    assert tok.decode(np.array([818, 5279], np.int32)) == tok.decode([818, 5279])  # NumPy integers are ids
+    for bad, error, message in (([1.5], TypeError, "ids should be integers, got float 1.5"), ([np.float32(2)], TypeError, "ids should be integers"),
+                                ([-1], ValueError, r"ids should lie in \[0, 262143\], got -1"), ([262144], ValueError, "got 262144")):  # fmt: skip
+        with pytest.raises(error, match=message):
+            tok.decode(bad)
+        with pytest.raises(error, match=message):
+            tok.token(bad[0])
+
+
 @pytest.mark.parametrize("kind", list(PROMPTS))
 def test_gemma_logits_equal_transformers(gemma, hf_gemma, torch, kind):
     _, model = hf_gemma

@@ -12,6 +12,7 @@ onto it.
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 
 import numpy as np
@@ -74,15 +75,21 @@ class TextTokenizer:
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` (special tokens such as BOS left out by default)."""
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids should lie in [0, {self.vocab_size - 1}], got {bad[0]}")
+        ids = [self._id(i) for i in ids]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token(self, i: int) -> str:
         """The vocabulary entry of id ``i`` (for labels in pictures)."""
-        return self.backend.id_to_token(int(i))
+        return self.backend.id_to_token(self._id(i))
+
+    def _id(self, i) -> int:  # an id checked: an integer (a float is an error, never truncated) in [0, vocab_size)
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise TypeError(f"ids should be integers, got {type(i).__name__} {i!r}") from None
+        if not 0 <= i < self.vocab_size:
+            raise ValueError(f"ids should lie in [0, {self.vocab_size - 1}], got {i}")
+        return i
 
 
 def _spm_merges(tokens: list[str], scores) -> list[tuple[str, str]]:

@@ -433,6 +433,13 @@ def test_attention_mask_and_batch_errors(gemma):
         gemma.forward(ids, attention_mask=np.array([[0, 2, 1]]))
     with pytest.raises(ValueError, match=r"attention_mask shape should be \(B, cached \+ new\) = \(1, 3\), got \(1, 2\)"):
         gemma.forward(ids, attention_mask=np.ones((1, 2), bool))
+    for keep, error, message in ((-1, ValueError, "logits_to_keep should be >= 0 .0: every position., got -1"), (1.5, TypeError, "logits_to_keep should be an int"),
+                                 (True, TypeError, "logits_to_keep should be an int")):  # fmt: skip
+        with pytest.raises(error, match=message):
+            gemma.forward(ids, logits_to_keep=keep)
+    assert gemma.forward(ids, logits_to_keep=np.int64(2)).logits.shape == (1, 2, gemma.config.vocab_size)
+    with pytest.raises(TypeError, match=r"cache should be a qkv.KVCache \(lm.new_cache\(\)\) or have len\(\), .layers and .update\(layer, key, value\), got dict"):
+        gemma.forward(ids, {})
     with pytest.raises(ValueError, match=r"prompt\[1\] is empty"):
         gemma.generate(["a", []], max_new_tokens=2)
     with pytest.raises(ValueError, match="on_token streams one prompt"):

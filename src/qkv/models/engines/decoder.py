@@ -349,6 +349,12 @@ class CausalLM:
             (:meth:`__call__` drops it).
         """
         ids, _ = self._ids(input_ids)
+        if cache is not None and not (hasattr(cache, "layers") and hasattr(cache, "update") and hasattr(cache, "__len__")):
+            raise TypeError(f"cache should be a qkv.KVCache (lm.new_cache()) or have len(), .layers and .update(layer, key, value), got {type(cache).__name__}")
+        if isinstance(logits_to_keep, (bool, np.bool_)) or not isinstance(logits_to_keep, (int, np.integer)):
+            raise TypeError(f"logits_to_keep should be an int (0: every position), got {type(logits_to_keep).__name__} {logits_to_keep!r}")
+        if logits_to_keep < 0:  # h[:, -(-1):] would have dropped the first position, silently
+            raise ValueError(f"logits_to_keep should be >= 0 (0: every position), got {logits_to_keep}")
         # A few tokens (a decode step): every product is small, so BLAS runs on one thread (threaded,
         # its threads spin between calls; with one core taken by another program a step got 13x slower).
         with blas_one_thread() if ids.size <= SMALL_STEP_TOKENS else contextlib.nullcontext():

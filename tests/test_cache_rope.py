@@ -169,6 +169,27 @@ def test_sliding_cache_memory_is_bounded():
     assert full.stored == 1000 and full.nbytes <= 2 * 2 * 1000 * 4 * 8  # geometric growth: at most 2x
 
 
+@pytest.mark.parametrize("window", [None, 1, 4])
+def test_claim_makes_the_room_and_positions_append_makes(window):
+    """LayerCache._claim (a decode step's compiled layer writes the key and value itself) against _append,
+    token after token, buffers growing and a window compacting: the same slot, span, counts and buffers."""
+    rng = np.random.default_rng(3)
+    a, b = LayerCache(window), LayerCache(window)
+    k0 = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    a._append(k0, k0)
+    b._append(k0, k0)
+    for _ in range(40):
+        k = rng.standard_normal((1, 2, 1, 4)).astype(np.float32)
+        at = b._end if b._k is not None and b._end + 1 <= b._k.shape[-2] and window is None else None
+        span = a._append(k, k)
+        slot, *claimed = b._claim(1)
+        b._k[..., slot : slot + 1, :] = k
+        b._v[..., slot : slot + 1, :] = k
+        assert tuple(claimed) == span and (at is None or slot == at)
+        assert (b._start, b._end, b.seen, b._k.shape) == (a._start, a._end, a.seen, a._k.shape)
+        np.testing.assert_array_equal(b._k[..., b._start : b._end, :], a._k[..., a._start : a._end, :])
+
+
 def test_cache_errors():
     cache = KVCache(2, windows=[None, 4])
     cache.update(0, np.ones((1, 3, 4)), np.ones((1, 3, 2)))

@@ -231,6 +231,26 @@ def test_a_plan_follows_a_layer_given_new_weights(gemma, monkeypatch):
     assert gemma.generate("Hi", max_new_tokens=4, stop_at_eos=False).token_ids == want
 
 
+def test_generate_checks_its_plan_once_and_follows_new_weights(gemma, monkeypatch):
+    """generate's loop checks the decode plan against the layers' weights at its first step only (not at
+    every step), and a generate after weights were replaced decodes with the new ones."""
+    layer = gemma.layers[0]
+    donor = next(L for L in gemma.layers[1:] if L.w_down.qtype == layer.w_down.qtype and L.w_down.shape == layer.w_down.shape)
+    before = gemma.generate("Hi", max_new_tokens=8, stop_at_eos=False).token_ids  # a plan made, checked
+    checks = []
+    stale = decode_step.Plan.stale
+    monkeypatch.setattr(decode_step.Plan, "stale", lambda p: checks.append(1) or stale(p))
+    monkeypatch.setattr(layer, "w_down", donor.w_down)
+    got = gemma.generate("Hi", max_new_tokens=8, stop_at_eos=False).token_ids
+    assert 1 <= len(checks) <= len(gemma.layers)  # at the first step (the stale layer 0 ends it), not 7 x 18
+    checks.clear()
+    gemma.generate("Hi", max_new_tokens=8, stop_at_eos=False)
+    assert len(checks) == len(gemma.layers)  # the new plan checked once, all its layers fresh
+    monkeypatch.setattr(decode_step, "ENABLED", False)
+    want = gemma.generate("Hi", max_new_tokens=8, stop_at_eos=False).token_ids
+    assert got == want and want != before
+
+
 def test_a_servers_steps_are_the_numpy_paths_floats(gemma, monkeypatch):
     from qkv.models.serving.pages import PagePool
     from test_serving import _generate

@@ -58,6 +58,28 @@ def test_tokenizer_ids_equal_transformers(gemma, hf_gemma):
         assert gemma.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True), text
 
 
+def test_a_steps_rope_rows_from_the_table_are_rope_angles_floats(gemma):
+    """A decode step's cos and sin come from a table of every position so far: the bits rope_angles gives
+    those positions, for one token, a few, a server's step of tokens at unrelated positions, the table's
+    last position and the first past it (computed), as the table grows."""
+    from qkv.models.engines import decoder
+    from qkv.rope import rope_angles, rope_frequencies
+
+    cfg, cap = gemma.config, decoder.ROPE_TABLE_POSITIONS
+    gemma._rope_tables.clear()
+    for positions in (np.array([0]), np.array([5]), np.array([300, 7, 299]), np.arange(3, 11), np.array([cap - 1]), np.array([cap]), np.array([cap + 5, 1]), np.arange(3, 12)):
+        rope_at = gemma._rope_at(positions)
+        for base in sorted(set(cfg.rope_bases)):
+            freqs = gemma._rope_freqs if gemma._rope_freqs is not None else rope_frequencies(cfg.head_dim, base)
+            want = rope_angles(positions, cfg.head_dim, base, frequencies=freqs, attention_factor=cfg.rope_attention_factor)
+            for got, w in zip(rope_at(base), want):
+                assert got.shape == w.shape and got.dtype == np.float32
+                assert got.tobytes() == w.tobytes(), (positions, base)
+    assert {t[0].shape[0] for t in gemma._rope_tables.values()} == {cap}  # grown to its cap, no further
+    with pytest.raises(ValueError, match="positions should be >= 0, got -1"):  # never a table row from the end
+        gemma._rope_at(np.array([3, -1]))(cfg.rope_bases[0])
+
+
 def test_tokenizer_refuses_ids_it_would_truncate_or_wrap(gemma):
     tok = gemma.tokenizer
     assert tok.decode(np.array([818, 5279], np.int32)) == tok.decode([818, 5279])  # NumPy integers are ids

@@ -46,6 +46,11 @@ from ..formats.quants import DIRECT_TOKENS, kernel_available, matmul
 
 #: Up to this many tokens a forward pass runs BLAS on one thread (decode steps, batched ones too).
 SMALL_STEP_TOKENS = 8
+#: Positions of the table of RoPE's cos and sin a decode step reads its rows from (per base, grown by doubling):
+#: at most 2 MiB a base for Gemma 3's head_dim of 256. Later positions, and steps of more than _TABLE_ROWS
+#: tokens, compute theirs.
+ROPE_TABLE_POSITIONS = 2048
+_TABLE_ROWS = 8
 
 __all__ = ["DecoderConfig", "DecoderLayer", "CausalLM", "CausalLMOutput", "GenerateOutput"]
 
@@ -273,6 +278,7 @@ class CausalLM:
         self._alibi = alibi_slopes(config.num_heads) if config.alibi else None  # (Hq,) float32
         self._rope_freqs = None if config.rope_frequencies is None else np.array(config.rope_frequencies, np.float32)
         self._base_freqs: dict = {}  # base -> rope_frequencies(head_dim, base)
+        self._rope_tables: dict = {}  # base -> (cos, sin) of positions 0 .. P - 1 (a decode step's rows, see _rope_at)
         self.embed = embed  # (V, E)
         self.positions = positions  # (max_positions, E) learned, or None
         self.layers = layers
@@ -475,7 +481,19 @@ class CausalLM:
                     freqs = self._base_freqs.get(base)
                     if freqs is None:
                         freqs = self._base_freqs[base] = rope_frequencies(cfg.head_dim, base)
-                angles[base] = rope_angles(positions, cfg.head_dim, base, frequencies=freqs, attention_factor=cfg.rope_attention_factor)
+                few = positions.tolist() if positions.ndim == 1 and 0 < positions.size <= _TABLE_ROWS and positions.dtype.kind in "iu" else None
+                last = max(few) if few and min(few) >= 0 else -1  # (a negative position: rope_angles' error)
+                if 0 <= last < ROPE_TABLE_POSITIONS:
+                    # A decode step's rows of a table of every position so far: the same floats (rope_angles is
+                    # elementwise), where its dozen small NumPy calls had taken some 60 us a token and base with
+                    # the caches cold from the weights (the Llama file, one thread).
+                    table = self._rope_tables.get(base)
+                    if table is None or table[0].shape[0] <= last:
+                        rows = min(ROPE_TABLE_POSITIONS, max(256, 2 * (last + 1)))
+                        table = self._rope_tables[base] = rope_angles(np.arange(rows), cfg.head_dim, base, frequencies=freqs, attention_factor=cfg.rope_attention_factor)
+                    angles[base] = table[0][positions], table[1][positions]
+                else:
+                    angles[base] = rope_angles(positions, cfg.head_dim, base, frequencies=freqs, attention_factor=cfg.rope_attention_factor)
             return angles[base]
 
         return rope_at
@@ -670,7 +688,7 @@ class CausalLM:
             t_first = time.perf_counter()
             # A step of a few rows pins BLAS to one thread (forward); pinned here once for the whole loop, each
             # step's own pin is a count: limiting BLAS's threads and restoring them cost 15-45 us a token.
-            with blas_one_thread() if n <= SMALL_STEP_TOKENS else contextlib.nullcontext():
+            with blas_one_thread() if n <= SMALL_STEP_TOKENS else contextlib.nullcontext(), self._plan_fixed_while():
                 while True:
                     toks = []
                     for b, run in enumerate(runs):
@@ -721,6 +739,17 @@ class CausalLM:
                 },
             ))  # fmt: skip
         return outs if batched else outs[0]
+
+    @contextlib.contextmanager
+    def _plan_fixed_while(self):
+        """Inside, the decode plan (``decode_step.plan``) is checked against the layers' weights at its first
+        step only: generate's loop, where nothing replaces them between steps."""
+        before = getattr(self, "_plan_fixed", None)
+        self._plan_fixed = object()  # this loop's token
+        try:
+            yield
+        finally:
+            self._plan_fixed = before
 
     def _prompt_ids(self, prompt, name: str) -> list:
         """A prompt's token ids: text tokenized (BOS as the model expects), ids checked."""

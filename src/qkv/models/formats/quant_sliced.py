@@ -196,7 +196,7 @@ def slice_activations(x):  # (T, N) float32 -> slices (T, 3, N) int8, steps (T, 
     sums = np.empty((T, n // 32), np.float32)
     bits = x.view(np.int32)
     # Each token's rows as 1-D views, made once, indexed by unsigned counters: numba checks a signed index
-    # for a negative value (and views made a run cost a few ns each): 1.14 -> 0.77 us for 768 values.
+    # for a negative value (and views made a run cost a few ns each): 1.14 -> 0.91 us for 768 values.
     for t in range(T):
         xt, bt = x[t], bits[t]
         s2t, s1t, s0t = slices[t, 0], slices[t, 1], slices[t, 2]

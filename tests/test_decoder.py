@@ -205,7 +205,7 @@ def test_generate_rejects_bad_options(gemma, kwargs, match):
 def test_bad_token_input(gemma):
     with pytest.raises(ValueError, match="prompt is empty"):
         gemma.generate([])
-    with pytest.raises(ValueError, match=r"input_ids should lie in \[0, 262143\], got 262144"):
+    with pytest.raises(ValueError, match=r"input_ids should lie in \[0, 262143\], got \[262144\]"):
         gemma([2, 262144])
     with pytest.raises(ValueError, match="input_ids should lie in"):
         gemma.generate([2, -1])

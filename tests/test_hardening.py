@@ -648,3 +648,37 @@ def test_a_long_string_array_is_checked_at_open_and_decoded_when_asked(tmp_path)
     g.close()
     with pytest.raises(ModelError, match="v.gguf: metadata 'tokenizer.ggml.tokens' was not read before the file was closed"):
         g.field("tokenizer.ggml.tokens")
+
+
+def test_every_lookup_by_id_refuses_what_would_wrap_or_truncate(tiny_q8):
+    """Token ids reach rows through six public doors; each refuses a negative id (NumPy and Python would
+    count it from the end), an id past the end, and a float (int() would truncate it), with one message."""
+    from qkv.models.engines.decoder import check_token_ids
+    from qkv.text import Embedding, Vocabulary
+
+    lm = load_causal_lm(tiny_q8)
+    V = lm.config.vocab_size
+    vocab = Vocabulary.from_texts(["a b c"])
+    assert not isinstance(lm.embed, np.ndarray)  # kept quantized: take() is its own door
+    doors = [  # (the name its message gives, rows it indexes, a call with an array of ids)
+        ("input_ids", V, lambda ids: check_token_ids(ids, V)),
+        ("ids", V, lambda ids: lm.tokenizer.decode(ids.tolist())),
+        (f"{lm.embed.name}: ids", V, lambda ids: lm.embed.take(ids)),
+        ("ids", len(vocab), lambda ids: vocab.decode(ids)),
+        ("ids", 5, lambda ids: Embedding(5, 2, rng=0)(ids)),
+    ]
+    for name, n, call in doors:
+        call(np.array([0, n - 1]))  # the ends are ids
+        for bad in ([-1], [n], [2, -3, n + 5]):
+            first = min(b for b in bad if not 0 <= b < n)
+            with pytest.raises(ValueError, match=rf"{name} should lie in \[0, {n - 1}\], got \[?{first}"):
+                call(np.array(bad))
+        with pytest.raises(TypeError, match="should be integers"):
+            call(np.array([1.0]))
+    # many bad ids: the first 8 named, and how many in all
+    with pytest.raises(ValueError, match=r"ids should lie in \[0, 4\], got \[-12, -11, .*, -5, \.\.\. \(12 in all\)\]"):
+        Embedding(5, 2, rng=0)(np.arange(-12, 0))
+    with pytest.raises(TypeError, match="ids should be integers, got float 1.0"):
+        lm.tokenizer.token(1.0)
+    with pytest.raises(ValueError, match=rf"ids should lie in \[0, {V - 1}\], got -1"):
+        lm.tokenizer.token(-1)

@@ -52,7 +52,7 @@ def test_decoding_is_gguf_dequantize_bit_for_bit(qtype, kernel, extreme):
         assert got.shape == (*np.shape(one), cols) and got.dtype == np.float32
         np.testing.assert_array_equal(got.reshape(cols).view(np.uint32), want[int(np.ravel(one)[0])].view(np.uint32))
     for bad in (-1, 24, np.array([-1]), np.array([3, -2]), np.array([[0], [24]])):  # never wraps, never reads past the end
-        with pytest.raises(ValueError, match=r"ids should lie in \[0, 23\], got (-1|24|-2)"):
+        with pytest.raises(ValueError, match=r"ids should lie in \[0, 23\], got \[?(-1|24|-2)"):
             m.take(bad)
     with pytest.raises(TypeError, match="ids should be integers"):
         m.take(np.array([1.0]))

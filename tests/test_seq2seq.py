@@ -125,7 +125,7 @@ def test_seq2seq_errors(torch, tmp_path):
         load_seq2seq_lm(d)
     (d / "config.json").write_text(json.dumps(c))
     lm = load_seq2seq_lm(d)
-    with pytest.raises(ValueError, match=r"source should lie in \[0, 63\], got 64"):
+    with pytest.raises(ValueError, match=r"source should lie in \[0, 63\], got \[64\]"):
         lm.generate([5, 64])
     with pytest.raises(ValueError, match="num_beams should be >= 1"):
         lm.generate([5, 6], num_beams=0)

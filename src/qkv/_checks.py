@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import os
 
 import numpy as np
@@ -87,6 +88,29 @@ def check_real(value, name: str, *, finite: bool = True, minimum: float | None =
         hi = "inf" if maximum is None else f"{maximum:g}"
         raise ValueError(f"{name} should be in [{lo}, {hi}], got {value}")
     return value
+
+
+def check_id(value, n: int, name: str) -> int:
+    """One index into ``n`` rows (a token id, a row): an integer, never a float truncated, in [0, n);
+    a negative one is an error, never counted from the end as Python's indexing would."""
+    try:
+        i = operator.index(value)  # ints and NumPy integers; floats, bools' arrays and strings refused
+    except TypeError:
+        raise TypeError(f"{name} should be integers, got {type(value).__name__} {value!r}") from None
+    if not 0 <= i < n:
+        raise ValueError(f"{name} should lie in [0, {n - 1}], got {i}")
+    return i
+
+
+def check_ids(ids: np.ndarray, n: int, name: str) -> None:
+    """Indices into ``n`` rows, an array of any shape: integers (floats are an error, never truncated), each
+    in [0, n) (a negative id never wraps as NumPy's indexing would); the error lists the bad ones."""
+    if ids.size and ids.dtype.kind not in "iu":
+        raise TypeError(f"{name} should be integers, got dtype {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+        bad = np.unique(ids[(ids < 0) | (ids >= n)])
+        shown = ", ".join(map(str, bad[:8].tolist())) + (f", ... ({len(bad)} in all)" if len(bad) > 8 else "")
+        raise ValueError(f"{name} should lie in [0, {n - 1}], got [{shown}]")
 
 
 def check_int_vector(x, name: str) -> np.ndarray:

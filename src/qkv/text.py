@@ -16,7 +16,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ._checks import as_array, as_rng, check_int
+from ._checks import as_array, as_rng, check_ids, check_int
 
 __all__ = ["tokenize", "Vocabulary", "Embedding", "PAD", "UNK"]
 
@@ -195,11 +195,9 @@ class Vocabulary:
     def decode(self, ids) -> list[str]:
         """Tokens of a sequence of ids."""
         ids = as_array(ids, "ids")
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ValueError(f"ids should be a 1-D array of integers, got shape {ids.shape} dtype {ids.dtype}")
-        bad = ids[(ids < 0) | (ids >= len(self))]
-        if bad.size:
-            raise ValueError(f"ids should lie in [0, {len(self) - 1}], got {bad.tolist()}")
+        if ids.ndim != 1:
+            raise ValueError(f"ids should be a 1-D array of integers, got shape {ids.shape}")
+        check_ids(ids, len(self), "ids")
         return [self._tokens[i] for i in ids.tolist()]
 
 
@@ -265,9 +263,5 @@ class Embedding:
     def __call__(self, ids) -> np.ndarray:
         """Look up ids of any shape ``(...)`` -> vectors ``(..., E)``."""
         ids = as_array(ids, "ids")
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TypeError(f"ids should be integers, got dtype {ids.dtype}")
-        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(f"ids should lie in [0, {self.vocab_size - 1}], got {sorted(set(bad.tolist()))}")
+        check_ids(ids, self.vocab_size, "ids")
         return self.table[ids.astype(np.intp, copy=False)]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._checks import check_ids
 from ..._parallel import check_workers, run_all, scratch, split_runs
 from ...attention import scaled_dot_product_attention, unchecked_attention
 from ...layers import MultiHeadAttention
@@ -225,8 +226,7 @@ class BertModel:
         B, L = ids.shape
         if L > self.config.max_position_embeddings:
             raise ValueError(f"input_ids length {L} exceeds max_position_embeddings {self.config.max_position_embeddings}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(f"input_ids should lie in [0, {self.config.vocab_size - 1}], got values in [{ids.min()}, {ids.max()}]")
+        check_ids(ids, self.config.vocab_size, "input_ids")
         mask = np.ones((B, L), bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
         if mask.shape != (B, L):
             raise ValueError(f"attention_mask shape should be {(B, L)}, got {mask.shape}")

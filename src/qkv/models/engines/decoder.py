@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ... import flash as _flash
-from ..._checks import as_rng
+from ..._checks import as_rng, check_ids
 from ..._parallel import blas_one_thread, scratch
 from ...attention import scaled_dot_product_attention
 from ...cache import KVCache, LayerCache
@@ -241,9 +241,7 @@ def check_token_ids(ids, vocab_size: int, name: str = "input_ids") -> tuple[np.n
         raise ValueError(f"{name} should be (L,) or (B, L), got shape {a.shape}")
     if a.shape[-1] == 0:
         raise ValueError(f"{name} is empty: give at least one token")
-    if a.min() < 0 or a.max() >= vocab_size:
-        bad = a[(a < 0) | (a >= vocab_size)].ravel()[0]
-        raise ValueError(f"{name} should lie in [0, {vocab_size - 1}], got {int(bad)}")
+    check_ids(a, vocab_size, name)
     unbatched = a.ndim == 1
     return a.astype(np.int64)[None] if unbatched else a.astype(np.int64), unbatched
 

@@ -47,6 +47,7 @@ import contextvars
 import numpy as np
 
 from ... import flash as _flash
+from ..._checks import check_id, check_ids
 from ...threads import use_numba_threads
 from ..errors import ModelError
 
@@ -328,13 +329,9 @@ class QuantizedMatrix:
     def take(self, ids) -> np.ndarray:
         """Rows ``ids`` as float32 (an embedding lookup): ids (...,) -> (..., in)."""
         ids = np.asarray(ids)
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"{self.name}: ids should be integers, got dtype {ids.dtype}")
-        n = self.shape[0]
-        if ids.size == 1:  # one id (a decode step's token)
-            r = int(ids.reshape(-1)[0])
-            if not 0 <= r < n:
-                raise ValueError(f"{self.name}: ids should lie in [0, {n - 1}], got {r}")
+        n, name = self.shape[0], f"{self.name}: ids"
+        if ids.size == 1 and ids.dtype.kind in "iu":  # one id (a decode step's token)
+            r = check_id(ids.reshape(-1)[0], n, name)
             if self.qtype not in ("F16", "BF16") and _default_kernel() != "numpy":
                 # Its row's views to the decoder on this thread: the same bits as dequantize, whose indexing and
                 # checks took some 100 us a token (40 this way) with the caches cold from the weights
@@ -343,8 +340,8 @@ class QuantizedMatrix:
                 out = np.empty((1, self.shape[1]), np.float32)
                 qk.dequantize_into(self.raw[r : r + 1], self.d[r : r + 1], self.dmin[r : r + 1], _CODE[self.qtype], out, parallel=False)
                 return out.reshape(*ids.shape, self.shape[1])
-        elif ids.size and (ids.min() < 0 or ids.max() >= n):  # never wrapped as NumPy's indexing would
-            raise ValueError(f"{self.name}: ids should lie in [0, {n - 1}], got {int(ids[(ids < 0) | (ids >= n)].ravel()[0])}")
+        else:
+            check_ids(ids, n, name)  # never wrapped as NumPy's indexing would
         return self.dequantize(ids.reshape(-1)).reshape(*ids.shape, self.shape[1])
 
     def matmul(self, x, *, kernel: str | None = None) -> np.ndarray:

@@ -12,11 +12,11 @@ onto it.
 
 from __future__ import annotations
 
-import operator
 from pathlib import Path
 
 import numpy as np
 
+from ..._checks import check_id
 from ..errors import ModelError
 
 __all__ = ["TextTokenizer", "from_gguf", "from_file"]
@@ -83,13 +83,7 @@ class TextTokenizer:
         return self.backend.id_to_token(self._id(i))
 
     def _id(self, i) -> int:  # an id checked: an integer (a float is an error, never truncated) in [0, vocab_size)
-        try:
-            i = operator.index(i)
-        except TypeError:
-            raise TypeError(f"ids should be integers, got {type(i).__name__} {i!r}") from None
-        if not 0 <= i < self.vocab_size:
-            raise ValueError(f"ids should lie in [0, {self.vocab_size - 1}], got {i}")
-        return i
+        return check_id(i, self.vocab_size, "ids")
 
 
 def _spm_merges(tokens: list[str], scores) -> list[tuple[str, str]]:

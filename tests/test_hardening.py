@@ -680,5 +680,7 @@ def test_every_lookup_by_id_refuses_what_would_wrap_or_truncate(tiny_q8):
         Embedding(5, 2, rng=0)(np.arange(-12, 0))
     with pytest.raises(TypeError, match="ids should be integers, got float 1.0"):
         lm.tokenizer.token(1.0)
+    with pytest.raises(TypeError, match="ids should be integers, got bool True"):
+        lm.tokenizer.token(True)  # Python would index with it as 1
     with pytest.raises(ValueError, match=rf"ids should lie in \[0, {V - 1}\], got -1"):
         lm.tokenizer.token(-1)

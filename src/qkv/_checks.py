@@ -92,9 +92,12 @@ def check_real(value, name: str, *, finite: bool = True, minimum: float | None =
 
 def check_id(value, n: int, name: str) -> int:
     """One index into ``n`` rows (a token id, a row): an integer, never a float truncated, in [0, n);
-    a negative one is an error, never counted from the end as Python's indexing would."""
+    a negative one is an error, never counted from the end as Python's indexing would. A bool is not
+    an id (as :func:`check_int` refuses one), though Python would index with it."""
     try:
-        i = operator.index(value)  # ints and NumPy integers; floats, bools' arrays and strings refused
+        if isinstance(value, bool):
+            raise TypeError
+        i = operator.index(value)  # ints, NumPy integers and 0-d integer arrays; floats, NumPy bools and strings refused
     except TypeError:
         raise TypeError(f"{name} should be integers, got {type(value).__name__} {value!r}") from None
     if not 0 <= i < n:

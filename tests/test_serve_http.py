@@ -167,6 +167,7 @@ def test_a_shared_prefix_is_computed_once(server):
 BAD = [
     ("POST", "/v1/chat/completions", b"{not json", 400, None),
     ("POST", "/v1/chat/completions", b"[1, 2]", 400, None),
+    ("POST", "/v1/chat/completions", b"[" * 100_000, 400, None),  # nested past the parser's recursion limit
     ("POST", "/v1/chat/completions", {"model": "gemma3-270m"}, 400, "messages"),
     ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "max_tokens"),

@@ -127,6 +127,8 @@ async def _read_json(request: HTTPRequest, limits: Limits, model):
         data = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # "[[[[..." a few thousand deep: the parser's recursion limit, the client's fault
+        raise APIError(400, "the body's JSON is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body should be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:

@@ -110,6 +110,10 @@ GROUP = 8 if AVX512 else 4
 #: spilled, 1.7x the time). Each (row, token) sum is made by the same operations in the same order as
 #: with one row, so its bits are the same.
 PAIR_TOKENS = 1
+#: Whether the products take rows two at a time (AVX-512: from PAIR_TOKENS = 1 token on, so always). A
+#: constant, so that numba compiles one of the two loops: the other one's kernels for all six block
+#: types took some 5 s of a fresh install's first generate.
+PAIRS = AVX512 and PAIR_TOKENS <= 1
 
 #: Bytes ahead of the block being decoded at which each block asks the memory to start fetching (each of
 #: its cache lines: :func:`_prefetch_block`). A big table
@@ -592,7 +596,7 @@ def _matmul_parallel(raw, d, dmin, code, x, out):
                 s += x[t, i]
             xsum[t, j] = s
     R = raw.shape[0]
-    if AVX512 and T >= PAIR_TOKENS:  # two rows at a time, half a matrix apart (PAIR_TOKENS)
+    if PAIRS:  # two rows at a time, half a matrix apart (a constant: numba compiles only this branch)
         half = R // 2
         for p in prange(half):
             _pair(raw, d, dmin, code, x, xsum, p, p + half, out)

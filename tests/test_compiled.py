@@ -519,6 +519,31 @@ def test_the_cache_stamp_changes_with_any_compiled_module(tmp_path, monkeypatch)
     assert len(seen) == len(_numba_cache.MODULES) + 1
 
 
+def test_compiling_qkv_functions_is_counted_and_announced_once(monkeypatch):
+    """A fresh install's first generate compiles for half a minute: the CLI says so when the first
+    compilation starts (a hook, once) and how long it took (compile_seconds). numba's events come only
+    for a function compiled, never for one loaded from the cache; someone else's functions count nothing."""
+    import numba
+
+    from qkv import _numba_cache
+
+    calls = []
+    monkeypatch.setattr(_numba_cache, "on_first_compile", lambda: calls.append(1))
+    monkeypatch.setitem(_numba_cache._compiled, "started", False)
+    before = _numba_cache.compile_seconds()
+    dst, src = np.zeros(5, np.float32), np.arange(5, dtype=np.float32)
+    numba.njit(_numba_cache.twin(_compiled._copy_.py_func, "_watched"))(dst, src)  # qkv's code, uncached: compiled now
+    assert np.array_equal(dst, src)
+    after = _numba_cache.compile_seconds()
+    assert after > before and calls == [1]
+    numba.njit(lambda a: a + 1)(1)  # not qkv's
+    assert _numba_cache.compile_seconds() == after
+    numba.njit(_numba_cache.twin(_compiled._copy_.py_func, "_watched_again"))(dst, src)
+    assert _numba_cache.compile_seconds() > after and calls == [1]  # counted, not announced again
+    _compiled._copy_(dst, src)  # loaded from the cache (or compiled in an earlier test): no new event
+    assert _numba_cache._compiled["depth"] == 0
+
+
 def test_attend_cached_is_attend_one_on_its_range_of_the_buffers():
     """The decoder's in-place attention: keys [first, last) of a cache's whole buffers give attend_one's
     bits on the copied slice, with a window, a cap, sinks and a mask over those keys."""

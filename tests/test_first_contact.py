@@ -229,7 +229,25 @@ def test_generate_says_it_is_loading_and_that_its_rate_is_the_decode_rate():
     assert r.returncode == 0, r.stderr
     err = r.stderr.strip().splitlines()
     assert err[0] == "qkv: loading gemma3-270m ..."
-    assert "; decode " in err[-1] and err[-1].endswith("tokens/s]") and "prefill 6 prompt tokens" in err[-1]
+    # (a first run on a fresh cache says how long it compiled, once: see test_a_closing_line_says_compiling_once)
+    assert "; decode " in err[-1] and re.search(r"tokens/s(; [0-9.]+ s compiling kernels, once)?\]$", err[-1]) and "prefill 6 prompt tokens" in err[-1]
+
+
+def test_a_closing_line_says_compiling_once(monkeypatch):
+    """Seconds numba spent compiling since the last closing line are said on it (a first run's rates
+    would mislead without them), and only once: a chat's later turns say nothing of them."""
+    from types import SimpleNamespace
+
+    from qkv import _numba_cache
+    from qkv.cli import generate
+
+    out = SimpleNamespace(stop_reason="length", timings={"new_tokens": 3, "prompt_tokens": 6, "prefill_s": 9.5, "decode_tokens_per_s": 1.5})
+    monkeypatch.setattr(generate, "_said", [0.0])
+    monkeypatch.setitem(_numba_cache._compiled, "seconds", 0.0)
+    assert generate._closing_line(out) == "[3 tokens, stop: length; prefill 6 prompt tokens in 9.50 s; decode 1.5 tokens/s]"
+    monkeypatch.setitem(_numba_cache._compiled, "seconds", 12.34)
+    assert generate._closing_line(out).endswith("; decode 1.5 tokens/s; 12.3 s compiling kernels, once]")
+    assert generate._closing_line(out).endswith("; decode 1.5 tokens/s]")
 
 
 def test_ctrl_c_during_embed_input_says_resume_goes_on(tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["MODULES", "install", "stamp", "twin"]
+__all__ = ["MODULES", "compile_seconds", "install", "stamp", "twin"]
 
 _ROOT = Path(__file__).resolve().parent
 
@@ -35,6 +35,53 @@ MODULES = (
 )
 
 _stamp: str | None = None
+
+#: Called (with no argument) when numba starts compiling a qkv function for the first time in this
+#: process: a cache miss, as on a fresh install or after an upgrade (the CLI says so on stderr; the
+#: library says nothing).
+on_first_compile = None
+_compiled = {"seconds": 0.0, "depth": 0, "since": 0.0, "started": False}
+_watching = False
+
+
+def compile_seconds() -> float:
+    """Seconds numba has spent compiling qkv's functions in this process (functions loaded from the cache
+    are not compiled, and count nothing)."""
+    return _compiled["seconds"]
+
+
+def _watch() -> None:
+    """Count the seconds of numba's compilations of qkv's functions (numba's event API: its
+    ``numba:compile`` events come only for a function compiled, not for one loaded from the cache).
+    Compilations nest (a function's callees compile inside it) and numba compiles one function at a
+    time (its compiler lock), so one span is counted from the outermost start to its end."""
+    import time
+
+    from numba.core import event
+
+    class Watch(event.Listener):
+        def on_start(self, ev):
+            c = _compiled
+            if c["depth"] == 0:
+                py_func = getattr(ev.data.get("dispatcher"), "py_func", None)
+                if not _inside(getattr(getattr(py_func, "__code__", None), "co_filename", "")):
+                    return  # someone else's function: not counted (nor its callees)
+                c["since"] = time.perf_counter()
+                if not c["started"]:
+                    c["started"] = True
+                    if on_first_compile is not None:
+                        on_first_compile()
+            c["depth"] += 1
+
+        def on_end(self, ev):
+            c = _compiled
+            if c["depth"] == 0:
+                return
+            c["depth"] -= 1
+            if c["depth"] == 0:
+                c["seconds"] += time.perf_counter() - c["since"]
+
+    event.register("numba:compile", Watch())
 
 
 def stamp() -> str:
@@ -59,6 +106,10 @@ def install() -> None:
     """Put locators first in numba's list that give qkv's functions :func:`stamp` (others unchanged)."""
     from numba.core import caching
 
+    global _watching
+    if not _watching:
+        _watching = True
+        _watch()
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)  # (named _CacheImpl before 0.68)
     if impl is None or not hasattr(impl, "_locator_classes"):  # a numba built otherwise: its own stamps (per module) stay
         return

@@ -19,6 +19,7 @@ import warnings
 
 from pathlib import Path
 
+from .. import _numba_cache
 from ..threads import ENV, get_num_threads, set_num_threads
 from .common import CLIError, DECODER_NAME, DEFAULT_TEXT, ENCODER_NAME, MAX_TABLE_TOKENS
 from .demo import cmd_demo
@@ -199,6 +200,7 @@ def main(argv=None) -> int:
     out of memory says during what; anything else is a bug of qkv's, said so (exit 3)."""
     parser = build_parser()
     args = _parse(parser, argv)
+    _numba_cache.on_first_compile = _say_compiling
     try:
         threads = getattr(args, "threads", None)
         with warnings.catch_warnings(), set_num_threads(threads) if threads else contextlib.nullcontext():
@@ -227,6 +229,12 @@ def main(argv=None) -> int:
         where = traceback.extract_tb(exc.__traceback__)[-1]
         print(f"qkv: internal error in qkv {args.command}: {type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno}); {REPORT}", file=sys.stderr)
         return 3
+
+
+def _say_compiling() -> None:
+    """The first compilation of a run (a fresh install, an upgrade, another CPU): say why it is slow."""
+    print("qkv: compiling kernels for this CPU with numba; once: later runs load them from the cache "
+          "(a first generate takes about half a minute on 2 cores)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from .. import _numba_cache
 from .._files import open_input, read_bounded, readline_bounded
 from .common import CLIError, _is_seq2seq, _load, _load_seq2seq, _seq2seq_source, _text
 
@@ -16,20 +17,23 @@ class _Stream:
     """Prints new tokens' text as it comes (:class:`~qkv.models.engines.text_stream.TextStream`: an incomplete
     UTF-8 character and the possible start of a stop string are held back, never shown then taken back)."""
 
-    def __init__(self, tokenizer, stop=()):
+    def __init__(self, tokenizer, stop=(), head: str = ""):
         from ..models.engines.text_stream import TextStream
 
         self.text = TextStream(tokenizer, stop)
+        self.head = head  # the prompt, echoed with the first token: after whatever the prefill said on stderr
 
     def __call__(self, tok: int) -> None:
-        delta = self.text.push(tok)
+        delta = self.head + self.text.push(tok)
+        self.head = ""
         if delta:
             sys.stdout.write(delta)
             sys.stdout.flush()
 
     def finish(self, text: str) -> None:
         """The rest of the final text (which a stop string may have cut), and the line's end."""
-        print(self.text.finish(text))
+        print(self.head + self.text.finish(text))
+        self.head = ""
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "0": "\0"}
@@ -77,10 +81,16 @@ def _sampling(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=stop, seed=args.seed)
 
 
+_said = [0.0]  # numba's compiling seconds at the last closing line
+
+
 def _closing_line(out) -> str:
     t = out.timings
     rate = "" if t["decode_tokens_per_s"] is None else f"; decode {t['decode_tokens_per_s']:.1f} tokens/s"
-    return f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prefill {t['prompt_tokens']} prompt tokens in {t['prefill_s']:.2f} s{rate}]"
+    # Compiling since the last line (most of it inside the times above): said, or a first run's rates mislead.
+    compiled, _said[0] = _numba_cache.compile_seconds() - _said[0], _numba_cache.compile_seconds()
+    compiled = f"; {compiled:.1f} s compiling kernels, once" if compiled >= 0.05 else ""
+    return f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prefill {t['prompt_tokens']} prompt tokens in {t['prefill_s']:.2f} s{rate}{compiled}]"
 
 
 def _base_model_note(lm) -> None:
@@ -154,16 +164,13 @@ def _activations(args):
 
 def _generate(args, prompt: str, options: dict) -> int:
     lm = _load(args.model, "decoder")
-    stream = None if args.json else _Stream(lm.tokenizer, options["stop"])
+    stream = None if args.json else _Stream(lm.tokenizer, options["stop"], head="" if args.chat else prompt)
     if args.chat:
         _chat_model(lm)
         _base_model_note(lm)
         messages = ([{"role": "system", "content": _text(args.system, "--system")}] if args.system is not None else []) + [{"role": "user", "content": prompt}]
         out = lm.chat(messages, max_new_tokens=args.max_new_tokens, on_token=stream, **options)  # a template's ModelError: one line, as every ValueError
     else:
-        if stream is not None:
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
         out = lm.generate(prompt, max_new_tokens=args.max_new_tokens, on_token=stream, **options)
     if args.json:
         print(json.dumps({"model": lm.name, "prompt": prompt, "chat": args.chat, "text": out.text, "token_ids": out.token_ids, "prompt_ids": out.prompt_ids, "stop_reason": out.stop_reason, "timings": out.timings}))

@@ -560,6 +560,13 @@ def test_attend_cached_is_attend_one_on_its_range_of_the_buffers():
         got = _compiled.attend_cached(q, k, v, first, last, keep, window, 0.25, softcap, s)
         assert got.dtype == np.float32 and got.shape == (B, Hq, D)
         np.testing.assert_array_equal(got, want)
+        # A key head's query heads go together, in parts for the threads: any part count, the same bits
+        kp = _compiled._NO_KEEP if keep is None else np.ascontiguousarray(keep)
+        for parts in (1, 2, 3):  # (a group of 2: 3 parts leave one empty)
+            for kernel in _compiled._ATTEND_ONE:
+                out = np.empty_like(got)
+                kernel(q, k, v, first, last, kp, window, np.float32(0.25), np.float32(softcap), _compiled._NO_SINKS if s is None else s, parts, out)
+                np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

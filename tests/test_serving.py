@@ -208,6 +208,14 @@ def test_paged_attention_gives_each_token_the_same_bits_alone_in_a_batch_and_on_
         assert all(np.array_equal(batch[t], alone[t]) for t in range(len(lengths)))
         runs.append(batch)
     assert np.array_equal(runs[0], runs[1])
+    # The kernel takes a key head's 8 query heads together, in as many parts as the threads want (a
+    # token alone on 2 threads: 2 parts; several: 1): each part count, uneven ones too, gives the same bits.
+    from qkv.models.serving import engine
+
+    for parts in range(1, Hq // Hk + 1):
+        out = np.empty_like(runs[0])
+        engine._paged_attention(q, kp, vp, table, rows, positions, 40, np.float32(D**-0.5), np.float32(0), np.zeros(0, np.float32), np.zeros(Hq, np.float32), parts, out)
+        assert np.array_equal(out, runs[0]), parts
 
 
 # ------------------------------------------------------------ log-probabilities

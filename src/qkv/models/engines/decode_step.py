@@ -49,7 +49,7 @@ from numba import njit
 
 from ..._numba_cache import install as _install_cache
 
-from ..._compiled import _NO_KEEP, _NO_SINKS, _activation, _gated, _rms_norm_rows, _rope_rows, attend_one_in_parallel, attend_one_parallel, attend_one_serial
+from ..._compiled import _NO_KEEP, _NO_SINKS, _activation, _gated, _rms_norm_rows, _rope_rows, attend_one_in_parallel, attend_one_parallel, attend_one_parts, attend_one_serial
 from ...threads import use_numba_threads
 from ..formats import quant_int8, quant_simd, quant_sliced, quants
 from .functional import COMPILED_KINDS
@@ -202,7 +202,7 @@ def cached_layers(lm, plans: list, h: np.ndarray, rope_at, cache, key_mask) -> b
         keep = _NO_KEEP if key_mask is None else np.ascontiguousarray(key_mask[:, first - last :])  # the kept keys' part, as the decoder's attend
         sinks = lm.layers[i].sinks
         _cached_layer(h, *angles[base], c._k, c._v, at, first, last, keep, cfg.windows[i] or 0, scale, softcap, _NO_SINKS if sinks is None else np.asarray(sinks, np.float32),
-                      attend_one_in_parallel(B, Hq, last - first, D), Hq, Hk, D, eps, int8, sliced, *p.weights)  # fmt: skip
+                      attend_one_parts(B, Hq, Hk) if attend_one_in_parallel(B, Hq, last - first, D) else 0, Hq, Hk, D, eps, int8, sliced, *p.weights)  # fmt: skip
     return True
 
 
@@ -291,7 +291,7 @@ def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin
 
 
 @njit(cache=True, nogil=True)
-def _cached_layer(h, cos, sin, kbuf, vbuf, at, first, last, keep, window, scale, softcap, sinks, parallel, Hq, Hk, D, eps, int8, sliced,
+def _cached_layer(h, cos, sin, kbuf, vbuf, at, first, last, keep, window, scale, softcap, sinks, parts, Hq, Hk, D, eps, int8, sliced,
                   norm, raws, ds, dmins, codes, q_norm, k_norm, out_raws, out_ds, out_dmins, out_codes, post_norm, mlp_norm,
                   up_raws, up_ds, up_dmins, up_codes, act, F, down_raws, down_ds, down_dmins, down_codes, post_mlp_norm):  # (B, 1, E) updated in place; (B, Hk, cap, D) buffers written at `at`  # fmt: skip
     B = h.shape[0]
@@ -302,10 +302,10 @@ def _cached_layer(h, cos, sin, kbuf, vbuf, at, first, last, keep, window, scale,
                 kbuf[b, j, at, d] = k[b, j, 0, d]
                 vbuf[b, j, at, d] = v[b, j, 0, d]
     o = np.empty((B, Hq, D), np.float32)
-    if parallel:
-        attend_one_parallel(q.reshape(B, Hq, D), kbuf, vbuf, first, last, keep, window, scale, softcap, sinks, o)
+    if parts:  # on numba's threads, each key head's query heads in that many parts (0: on this thread)
+        attend_one_parallel(q.reshape(B, Hq, D), kbuf, vbuf, first, last, keep, window, scale, softcap, sinks, parts, o)
     else:
-        attend_one_serial(q.reshape(B, Hq, D), kbuf, vbuf, first, last, keep, window, scale, softcap, sinks, o)
+        attend_one_serial(q.reshape(B, Hq, D), kbuf, vbuf, first, last, keep, window, scale, softcap, sinks, 1, o)
     _after_attention(o.reshape(B, Hq * D), h, out_raws, out_ds, out_dmins, out_codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, act, F,
                      down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8, sliced)  # fmt: skip
 

@@ -18,8 +18,10 @@ order fixed by the row alone:
 - products: :func:`qkv.models.formats.quants.row_invariant` (every token
   through the block kernels of :mod:`qkv.models.formats.quant_simd`, whose
   sums are written out a token at a time, 32 tokens a call at most);
-- attention: :func:`paged_attention`, one loop a (token, head) over that
-  token's keys, in position order, whatever the other tokens;
+- attention: :func:`paged_attention`, one loop a (token, key head) over that
+  token's keys, in position order, each of the key head's query heads summed
+  on its own, whatever the other tokens (and however the heads are shared out
+  to the threads);
 - norms, RoPE, activations: a row at a time or elementwise (compiled, one
   code for every row's layout).
 
@@ -39,7 +41,7 @@ from numba import njit, prange
 
 from ..._numba_cache import install as _install_cache
 
-from ..._compiled import _exp, _float_from_bits, _max_key, exp_scores_
+from ..._compiled import _exp, _float_from_bits, _max_key, attend_one_parts, exp_scores_
 from ..engines import decode_step
 from ..formats.quants import int8_activations as int8_activations_in
 from ..formats.quants import row_invariant
@@ -50,36 +52,51 @@ _install_cache()  # before the first cached function: numba's cache stamped by e
 __all__ = ["paged_attention", "Batch", "forward_step", "log_probabilities"]
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
-def _paged_attention(q, kp, vp, table, row, pos, window, scale, softcap, sinks, slopes, out):
+# (No "arcp": a weight is its score divided by the sum, exactly, however the compiler lays the division out.)
+@njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract", "nsz"})
+def _paged_attention(q, kp, vp, table, row, pos, window, scale, softcap, sinks, slopes, parts, out):
+    # Grouped-query attention: a key head's query heads (in `parts`, for the threads) read each key's row
+    # once for all of them, as _compiled._attend_one does; each head's arithmetic is the same whatever the
+    # parts and whatever the other tokens: the same bits.
     T, Hq, D = q.shape
     page, Hk = kp.shape[1], kp.shape[2]
     group = Hq // Hk
-    for it in prange(T * Hq):
-        t, hq = it // Hq, it % Hq
-        hk = hq // group  # grouped-query attention: Hq / Hk query heads read one key head
+    per = -(-group // parts)  # query heads an item takes
+    for it in prange(T * Hk * parts):
+        t, hk, part = it // (Hk * parts), (it // parts) % Hk, it % parts
+        h0 = hk * group + part * per
+        h1 = min(h0 + per, (hk + 1) * group)  # query heads h0 .. h1 - 1
+        if h0 >= h1:
+            continue
         n = pos[t] + 1  # keys 0 .. pos[t]: its sequence's, itself included
         lo = 0 if window <= 0 else max(0, n - window)
-        s = np.empty(n - lo, np.float32)
-        m = np.float32(-np.inf)  # float32, as the scores: see exp_scores_
+        s = np.empty((h1 - h0, n - lo), np.float32)
+        m = np.full(h1 - h0, -np.inf, np.float32)  # float32, as the scores: see exp_scores_
         for j in range(lo, n):
             p, sl = table[row[t], j // page], j % page
-            acc = np.float32(0)
+            for g in range(h1 - h0):
+                hq = h0 + g
+                acc = np.float32(0)
+                for d in range(D):
+                    acc += q[t, hq, d] * kp[p, sl, hk, d]
+                acc *= scale
+                if softcap > 0:
+                    acc = softcap * np.tanh(acc / softcap)
+                acc -= slopes[hq] * np.float32(pos[t] - j)  # ALiBi (slopes 0 otherwise)
+                s[g, j - lo] = acc
+                m[g] = max(m[g], acc)
+        for g in range(h1 - h0):
+            total = exp_scores_(s[g], m[g], sinks, h0 + g)
+            for j in range(n - lo):  # the weights, in a pass of their own (divisions in vector registers)
+                s[g, j] = s[g, j] / total
             for d in range(D):
-                acc += q[t, hq, d] * kp[p, sl, hk, d]
-            acc *= scale
-            if softcap > 0:
-                acc = softcap * np.tanh(acc / softcap)
-            acc -= slopes[hq] * np.float32(pos[t] - j)  # ALiBi (slopes 0 otherwise)
-            s[j - lo] = acc
-            m = max(m, acc)
-        total = exp_scores_(s, m, sinks, hq)
-        for d in range(D):
-            out[t, hq, d] = 0
+                out[t, h0 + g, d] = 0
         for j in range(lo, n):
-            p, sl, w = table[row[t], j // page], j % page, s[j - lo] / total
-            for d in range(D):
-                out[t, hq, d] += w * vp[p, sl, hk, d]
+            p, sl = table[row[t], j // page], j % page
+            for g in range(h1 - h0):
+                w = s[g, j - lo]
+                for d in range(D):
+                    out[t, h0 + g, d] += w * vp[p, sl, hk, d]
 
 
 def paged_attention(query, key_pages, value_pages, block_table, rows, positions, *, window=None, scale, softcap=None, sinks=None, alibi_slopes=None):  # (T, Hq, D), (P, page, Hk, D) x 2, (N, W), (T,), (T,) -> (T, Hq, D)
@@ -87,8 +104,8 @@ def paged_attention(query, key_pages, value_pages, block_table, rows, positions,
     ``rows[t]`` at position ``positions[t]`` attends to that sequence's keys ``0 .. positions[t]``
     (the last ``window`` of them on a sliding layer), read through ``block_table[rows[t]]``.
 
-    Each (token, head) is one loop over its keys in position order: its output does not depend on
-    the other tokens (the property the server needs; :func:`qkv.scaled_dot_product_attention` with
+    Each (token, head) is summed over its keys in position order (a key head's query heads together,
+    each key's row read once for them): its output does not depend on the other tokens (the property the server needs; :func:`qkv.scaled_dot_product_attention` with
     ``block_table`` is the reference it is tested against).
 
     Parameters
@@ -117,7 +134,7 @@ def paged_attention(query, key_pages, value_pages, block_table, rows, positions,
         0 if window is None else int(window), np.float32(scale), np.float32(softcap or 0),
         none if sinks is None else np.ascontiguousarray(sinks, np.float32),
         np.zeros(Hq, np.float32) if alibi_slopes is None else np.ascontiguousarray(alibi_slopes, np.float32),
-        out,
+        attend_one_parts(T, Hq, key_pages.shape[2]), out,
     )  # fmt: skip
     return out
 

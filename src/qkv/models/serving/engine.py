@@ -102,8 +102,9 @@ def paged_attention(query, key_pages, value_pages, block_table, rows, positions,
     (the last ``window`` of them on a sliding layer), read through ``block_table[rows[t]]``.
 
     Each (token, head) is summed over its keys in position order (a key head's query heads together,
-    each key's row read once for them): its output does not depend on the other tokens (the property the server needs; :func:`qkv.scaled_dot_product_attention` with
-    ``block_table`` is the reference it is tested against).
+    each key's row read once for them): its output does not depend on the other tokens (the property
+    the server needs; :func:`qkv.scaled_dot_product_attention` with ``block_table`` is the reference it
+    is tested against).
 
     Parameters
     ----------

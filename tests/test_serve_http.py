@@ -182,6 +182,18 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
     ("POST", "/v1/completions", b'{"prompt": "' + b"x" * (2 << 20) + b'"}', 413, None),
     ("POST", "/v1/embeddings", {"input": []}, 400, "input"),
+    # an option qkv does not implement is refused where it would change the answer, never ignored
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}, 400, "reasoning_effort"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400, "messages[0].tool_calls"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temprature": 0}, 400, "temprature"),  # a typo: not a default quietly used
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 0}, 400, "top_k"),
+    ("POST", "/v1/completions", {"prompt": "hi", "suffix": " the end."}, 400, "suffix"),
+    ("POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
+    ("POST", "/v1/embeddings", {"input": "hi", "dimensions": 64}, 400, "dimensions"),
     ("GET", "/v1/nothing", None, 404, None),
     ("GET", "/v1/chat/completions", None, 405, None),
 ]
@@ -197,6 +209,27 @@ def test_every_bad_request_gets_its_status_and_an_openai_error(server, method, p
         assert data["error"]["param"] == param
     ok = server.request("POST", "/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 2, "temperature": 0})
     assert ok[0] == 200 and ok[1]["choices"][0]["text"]
+
+
+def test_options_that_ask_for_nothing_change_nothing_and_sampling_options_are_generates(server):
+    c = server.client()
+    messages = [{"role": "user", "content": "Name three colours."}]
+    plain = c.chat.completions.create(model="gemma3-270m", messages=messages, max_tokens=12, temperature=0)
+    # what clients send by default, and a reply appended as the openai client returns it (its empty refusal,
+    # tool calls, audio...): accepted, and the answer is the plain one
+    same = c.chat.completions.create(model="gemma3-270m", messages=messages, max_tokens=12, temperature=0, user="u1", metadata={"k": "v"}, store=False, frequency_penalty=0,
+                                     presence_penalty=0, logit_bias={}, tool_choice="none", response_format={"type": "text"}, parallel_tool_calls=True, prompt_cache_key="p")  # fmt: skip
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    again = c.chat.completions.create(model="gemma3-270m", messages=[*messages, plain.choices[0].message, {"role": "user", "content": "And three more."}], max_tokens=4, temperature=0)
+    assert again.choices[0].message.content
+    # top_k, min_p and repetition_penalty (vLLM's and llama-server's names) are qkv generate's options: the same tokens
+    for extra, seed in (({"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}, 11), ({"repetition_penalty": 1.3}, None)):  # sampled, then greedy
+        args = ["generate", "Once upon a time", "--max-new-tokens", "12", "--json", *(x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+        ref = json.loads(qkv_cli(*args, *(["--temperature", "0.9", "--seed", str(seed)] if seed is not None else [])))
+        got = c.completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=12, temperature=0 if seed is None else 0.9, seed=seed, extra_body=extra)
+        assert got.choices[0].text == ref["text"], (extra, got.choices[0].text, ref["text"])
+    unpenalised = c.completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert unpenalised.choices[0].text != got.choices[0].text  # the penalty is applied, not dropped
 
 
 def test_the_api_key_is_required(server):

@@ -60,7 +60,11 @@ def error_response(status: int, message: str, *, param=None, code=None, kind="in
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI's other fields (user, ...) are accepted and unused
+    # An argument qkv does not know is refused, as OpenAI refuses one (an option dropped without a word
+    # would change the answer without a word). Each field below is honoured, or changes nothing here
+    # (:data:`_NO_EFFECT`), or is one of OpenAI's that qkv does not implement: accepted only at the value
+    # that asks for nothing, refused otherwise (:data:`_UNSUPPORTED`).
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -71,15 +75,24 @@ class _Body(BaseModel):
     stream_options: dict | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    # beyond OpenAI's arguments, as vLLM and llama-server name them: qkv generate's options of the same names
+    top_k: int | None = Field(default=None, ge=1)
+    min_p: float | None = Field(default=None, gt=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    # OpenAI's, changing nothing here
+    user: str | None = None
+    # OpenAI's, not implemented (_UNSUPPORTED)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     logit_bias: dict | None = None
 
 
 class CompletionBody(_Body):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0)
-    echo: bool = False
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class _Part(BaseModel):
@@ -88,9 +101,18 @@ class _Part(BaseModel):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[_Part] | None = None
+    name: str | None = None  # given to the chat template with the message (a template may show it)
+    # what the openai client echoes back of an assistant's message, and a tool's answer: tool calls are not
+    # implemented (_UNSUPPORTED), so these are accepted empty only
+    tool_calls: list | None = None
+    function_call: dict | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    audio: dict | None = None
+    annotations: list | None = None
 
 
 class ChatBody(_Body):
@@ -98,18 +120,80 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
+    # OpenAI's, changing nothing here (_NO_EFFECT)
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # qkv shares every prompt's cached pages with whoever asks: no key needed
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    parallel_tool_calls: bool | None = None  # (about tools, which are refused)
+    # OpenAI's, not implemented (_UNSUPPORTED)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    audio: dict | None = None
+    modalities: list | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    moderation: object = None
 
 
 class EmbeddingBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     input: str | list[str]
     encoding_format: str = "float"
+    dimensions: int | None = None  # the model's own only: a vector is not cut
+    user: str | None = None
+
+
+#: OpenAI's arguments that qkv does not implement, each with the values that ask for nothing (what
+#: clients send by default): any other value gets a 400 naming the argument, never an answer that
+#: quietly ignored it. Messages' fields are checked the same way (``messages``).
+_UNSUPPORTED = {
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "moderation": (None,),
+    "tool_calls": (None, []),
+    "tool_call_id": (None,),
+    "refusal": (None,),
+    "annotations": (None, []),
+}
+
+
+def _refuse_unsupported(body: BaseModel, where: str = "") -> None:
+    for name in type(body).model_fields.keys() & _UNSUPPORTED.keys():
+        value = getattr(body, name)
+        if value not in _UNSUPPORTED[name]:
+            raise APIError(400, f"{where}{name} is not supported by qkv serve (got {json.dumps(value)[:80]}); leave it out", param=f"{where}{name}")
 
 
 def _param(err: ValidationError) -> tuple[str, str]:
     e = err.errors()[0]
     loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("function-", "list[", "str", "int")))
+    if e["type"] == "extra_forbidden":  # OpenAI's own answer to an argument it does not know
+        return loc, f"unrecognized request argument supplied: {loc} (qkv serve refuses what it does not implement rather than ignore it)"
     return loc or None, f"{loc or 'body'}: {e['msg']}"
 
 
@@ -208,16 +292,13 @@ class _Server:
             raise APIError(404, f"model {name!r} is not served here; {kind} model: {want!r}", param="model", code="model_not_found", kind="not_found_error")
 
     def _sampling(self, body) -> dict:
-        if body.frequency_penalty or body.presence_penalty:
-            raise APIError(400, "frequency_penalty and presence_penalty are not supported (give 0)", param="frequency_penalty" if body.frequency_penalty else "presence_penalty")
-        if body.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        _refuse_unsupported(body)
         if body.n > self.limits.max_n:
             raise APIError(400, f"n should be at most {self.limits.max_n}, got {body.n}", param="n")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not x for x in stop):
             raise APIError(400, "stop should be up to 4 non-empty strings", param="stop")
-        return {"temperature": body.temperature, "top_p": None if body.top_p >= 1 else body.top_p, "stop": tuple(stop)}
+        return {"temperature": body.temperature, "top_p": None if body.top_p >= 1 else body.top_p, "top_k": body.top_k, "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "stop": tuple(stop)}
 
     def _max_tokens(self, asked: int | None, prompt_len: int, default: int) -> int:
         lim = self.limits
@@ -291,8 +372,6 @@ class _Server:
     async def completions(self, request: HTTPRequest) -> Response:
         body = await _read_json(request, self.limits, CompletionBody)
         self._check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if body.logprobs is not None and body.logprobs > 5:
             raise APIError(400, f"logprobs should be at most 5, got {body.logprobs}", param="logprobs")
         sampling = self._sampling(body)
@@ -312,13 +391,14 @@ class _Server:
             raise APIError(400, f"top_logprobs should be at most {self.limits.max_top_logprobs}, got {body.top_logprobs}", param="top_logprobs")
         sampling = self._sampling(body)
         messages = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
+            _refuse_unsupported(m, f"messages[{i}].")
             content = m.content
             if isinstance(content, list):
                 if any(p.type != "text" or p.text is None for p in content):
                     raise APIError(400, "only text content parts are supported", param="messages")
                 content = "".join(p.text for p in content)
-            messages.append({"role": m.role, "content": content or ""})
+            messages.append({"role": m.role, "content": content or "", **({} if m.name is None else {"name": m.name})})
         if self.lm.chat_template is None:
             raise APIError(400, f"{self.model_name} has no chat template: use /v1/completions", param="messages")
         try:
@@ -418,6 +498,9 @@ class _Server:
         if not texts or len(texts) > self.limits.max_embedding_inputs:
             raise APIError(400, f"input should be 1 to {self.limits.max_embedding_inputs} strings, got {len(texts)}", param="input")
         enc = await asyncio.to_thread(self._embedder)
+        size = enc.model.config.hidden_size
+        if body.dimensions is not None and body.dimensions != size:
+            raise APIError(400, f"dimensions should be {size} (the model's own: vectors are not cut), got {body.dimensions}", param="dimensions")
         try:
             vectors = await asyncio.to_thread(enc.encode, texts)
         except (TypeError, ValueError) as exc:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...threads import set_num_threads
-from ..engines.sampling import next_token
+from ..engines.sampling import next_token, penalize
 from ..engines.text_stream import TextStream
 from .engine import Batch, forward_step, log_probabilities
 from .pages import PagePool
@@ -59,6 +59,9 @@ class Request:
     emit: object  # callable(kind, payload), called from the engine thread
     temperature: float = 0.0
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0  # as qkv generate's: the prompt's tokens and the new ones made less likely
     seed: int | None = None
     stop: tuple = ()
     top_logprobs: int | None = None
@@ -354,10 +357,11 @@ class Scheduler:
             self._recent.popleft()
 
     def _sample(self, req: Request, logits: np.ndarray, now: float, log_z, top) -> None:
-        if req.temperature == 0 and top is not None and len(top) and math.isfinite(log_z):
+        if req.temperature == 0 and req.repetition_penalty == 1.0 and top is not None and len(top) and math.isfinite(log_z):
             tok = int(top[0])  # the argmax, from log_probabilities' search
-        else:
-            tok = next_token(logits, temperature=req.temperature, top_p=req.top_p, rng=req.rng)
+        else:  # as generate samples (its log-probabilities stay the model's, before the penalty)
+            lg = penalize(logits, req.tokens, req.repetition_penalty)
+            tok = next_token(lg, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, rng=req.rng)
         info = {"token": tok}
         if req.top_logprobs is not None:  # log_z and the top ids: engine.log_probabilities
             info["logprob"] = float(logits[tok]) - log_z

@@ -282,6 +282,68 @@ def test_n_choices_and_the_metrics(server):
         assert name in text
 
 
+def _open(port, send=b""):
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)  # a server that never answers fails the test, not hangs it
+    sock.sendall(send)
+    return sock
+
+
+def _closed_by_server(sock, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(4096) == b""  # nothing was ever asked, so nothing is answered: only the close
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_and_slow_connections_are_closed_and_bounded():
+    # uvicorn alone keeps a connection that never sends a whole request head open for ever: a few thousand
+    # exhaust the server's file descriptors (slowloris)
+    s = Server("--read-timeout", "2", "--max-connections", "8", "--embedding-model", "none")
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        idle = [_open(s.port) for _ in range(3)] + [_open(s.port, head) for _ in range(3)]
+        trickle = _open(s.port, head + b'Content-Length: 60\r\n\r\n{"prompt": ')  # its head whole, half its body
+        time.sleep(0.3)
+        over = [_open(s.port) for _ in range(3)]  # the 8th is the last one let in
+        refused = [sock.recv(4096) for sock in over[1:]]
+        assert all(r.startswith(b"HTTP/1.1 503") and b'"too_many_connections"' in r for r in refused), refused
+        t0 = time.monotonic()
+        assert all(_closed_by_server(sock, 4) for sock in idle + over[:1])
+        assert 1.5 < time.monotonic() - t0 < 4
+        answer = trickle.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer, answer
+        # the slots are free again; a stream longer than the read timeout is not cut by it, nor a kept-alive
+        # connection's second request after a pause
+        c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
+        t0 = time.monotonic()
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        events = [line for line in r if line.startswith(b"data: ")]
+        assert r.status == 200 and events[-1].strip() == b"data: [DONE]" and time.monotonic() - t0 > 2
+        time.sleep(1)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "1, 2, 3,", "max_tokens": 2, "temperature": 0}), {"Content-Type": "application/json"})
+        assert c.getresponse().status == 200
+        c.close()
+        gone = _open(s.port, head + b'Content-Length: 60\r\n\r\n{"pro')
+        time.sleep(0.3)
+        gone.close()  # a client gone during its body: nothing to answer, and nothing wrong to log
+        for sock in idle + over + [trickle]:
+            sock.close()
+    finally:
+        s.stop()
+    log = "".join(s.log)
+    assert "Traceback" not in log and "unexpected error" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("option,value", [("--read-timeout", "0"), ("--read-timeout", "nan"), ("--max-connections", "0"), ("--timeout", "-1")])
+def test_a_bad_bound_is_refused_before_anything_loads(option, value):
+    r = subprocess.run([sys.executable, "-m", "qkv", "serve", option, value], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and option in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_a_full_queue_gets_429_and_a_deadline_504():
     s = Server("--max-batch", "1", "--max-waiting", "1", "--timeout", "3", "--embedding-model", "none")
     try:

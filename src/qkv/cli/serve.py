@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-variant", action="store_true", help="steps of more than 32 tokens (a prompt's chunk beside others) through BLAS tiles, whose last bits depend on the batch (default: batch-invariant answers)")
     p.add_argument("--int8-activations", action="store_true", help="round each token's activations to int8 per block of 32 before the quantized products, as llama.cpp does: faster decoding, not exact (answers stay batch-invariant)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that give no seed (default 0)")
+    p.add_argument("--read-timeout", type=float, default=15.0, help="seconds a request's head may take to arrive (from the connection, or the previous answer), and its body (from its head): closed, or 408, past them (default 15)")
+    p.add_argument("--max-connections", type=int, default=512, help="open connections at most; one more is answered 503 (default 512)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level (default info)")
     p.set_defaults(func=cmd_serve)
 
@@ -48,10 +50,11 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from ..models.serving.api import Limits
+        from ..models.serving.http import config
         from ..models.serving.server import build
     except ImportError as exc:
         raise CLIError(f"qkv serve needs the serve extra ({exc.name} is missing): pip install 'qkv[serve]'") from None
-    for name in ("port", "max_batch", "max_waiting", "context", "max_tokens", "kv_tokens", "page_size", "prefill_chunk", "max_body"):
+    for name in ("port", "max_batch", "max_waiting", "context", "max_tokens", "kv_tokens", "page_size", "prefill_chunk", "max_body", "max_connections"):
         v = getattr(args, name)
         if v < (0 if name == "port" else 1):
             raise CLIError(f"--{name.replace('_', '-')} should be >= {0 if name == 'port' else 1}, got {v}")
@@ -62,8 +65,9 @@ def cmd_serve(args) -> int:
 
         if not kernel_available():
             raise CLIError("--int8-activations needs the compiled products: pip install 'qkv[fast]'")
-    if not args.timeout > 0:
-        raise CLIError(f"--timeout should be > 0 seconds, got {args.timeout}")
+    for name in ("timeout", "read_timeout"):
+        if not getattr(args, name) > 0:  # (NaN too)
+            raise CLIError(f"--{name.replace('_', '-')} should be > 0 seconds, got {getattr(args, name)}")
     if args.kv_tokens < args.context + args.page_size:
         raise CLIError(f"--kv-tokens ({args.kv_tokens}) should hold at least one request of --context ({args.context}) tokens and a page")
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -84,14 +88,14 @@ def cmd_serve(args) -> int:
             return loaded[0]
 
     name = args.model_name or (DECODER_NAME if args.model in (None, DECODER_NAME) else os.path.basename(os.path.normpath(args.model)))
-    limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_context=args.context, timeout_s=args.timeout)
+    limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_context=args.context, timeout_s=args.timeout, read_timeout_s=args.read_timeout)
     scheduler, app = build(lm, model_name=name, api_key=key, embedder=embedder, embedding_name=embedding_name, kv_tokens=args.kv_tokens, page_size=args.page_size, max_batch=args.max_batch,
                            max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, int8_activations=args.int8_activations, seed=args.seed, limits=limits)  # fmt: skip
     scheduler.start()
     where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
     print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'}{'; int8 activations' if args.int8_activations else ''})", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.Server(config(app, host=args.host, port=args.port, log_level=args.log_level, read_timeout=args.read_timeout, max_connections=args.max_connections)).run()
     finally:
         scheduler.close()
     return 0

@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request as HTTPRequest
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -43,6 +43,7 @@ class Limits:
     max_n: int = 8
     max_top_logprobs: int = 20
     timeout_s: float = 600.0  # a request's deadline
+    read_timeout_s: float = 15.0  # a request body's deadline, from its head (the head's own: serving.http)
     max_embedding_inputs: int = 256
 
 
@@ -201,12 +202,20 @@ async def _read_json(request: HTTPRequest, limits: Limits, model):
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
         raise APIError(413, f"the request body is {int(size):,} bytes; the limit is {limits.max_body_bytes:,}", code="body_too_large")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limits.max_body_bytes:
-            raise APIError(413, f"the request body is over the limit of {limits.max_body_bytes:,} bytes", code="body_too_large")
-        chunks.append(chunk)
+    chunks = []
+
+    async def read():
+        total = 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limits.max_body_bytes:
+                raise APIError(413, f"the request body is over the limit of {limits.max_body_bytes:,} bytes", code="body_too_large")
+            chunks.append(chunk)
+
+    try:  # a body trickling in (or never coming) would hold its connection for as long as its client liked
+        await asyncio.wait_for(read(), limits.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.read_timeout_s:g} s", code="request_timeout") from None
     try:
         data = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -583,6 +592,8 @@ class _Guard:
         except APIError as e:
             if not started:
                 await error_response(e.status, e.message, param=e.param, code=e.code, kind=e.kind, headers=e.headers)(scope, receive, send)
+        except ClientDisconnect:  # gone before its body was read: no one to answer, nothing wrong here
+            log.debug("client gone during %s %s", scope.get("method"), scope.get("path"))
         except Exception:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             if not started:

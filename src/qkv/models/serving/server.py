@@ -23,11 +23,13 @@ def build(lm, *, model_name: str, api_key: str | None = None, embedder=None, emb
 class BackgroundServer:
     """uvicorn serving ``app`` on a thread of this process; ``url`` is its ``/v1`` base. A context manager."""
 
-    def __init__(self, scheduler, app, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, scheduler, app, *, host: str = "127.0.0.1", port: int = 0, read_timeout: float = 15.0, max_connections: int = 512):
         import uvicorn
 
+        from .http import config
+
         self.scheduler = scheduler
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
+        self._server = uvicorn.Server(config(app, host=host, port=port, read_timeout=read_timeout, max_connections=max_connections))
         self._server.install_signal_handlers = lambda: None  # not the main thread: no signal handlers
         scheduler.start()
         self._thread = threading.Thread(target=self._server.run, name="qkv-http", daemon=True)

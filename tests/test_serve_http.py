@@ -194,6 +194,7 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
     ("POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
     ("POST", "/v1/embeddings", {"input": "hi", "dimensions": 64}, 400, "dimensions"),
+    ("POST", "/v1/embeddings", {"input": ["short", "word " * 400]}, 400, "input"),  # past MiniLM's 256 tokens: not embedded by its beginning
     ("GET", "/v1/nothing", None, 404, None),
     ("GET", "/v1/chat/completions", None, 405, None),
 ]

@@ -510,11 +510,17 @@ class _Server:
         size = enc.model.config.hidden_size
         if body.dimensions is not None and body.dimensions != size:
             raise APIError(400, f"dimensions should be {size} (the model's own: vectors are not cut), got {body.dimensions}", param="dimensions")
+        # A text past the model's length would be embedded by its beginning alone (the library warns and cuts it,
+        # as sentence-transformers does): a client would get another text's vector without a word. OpenAI refuses.
+        encodings = await asyncio.to_thread(enc.tokenizer.encode_batch, texts)
+        long = next((i for i, e in enumerate(encodings) if e.overflowing), None)
+        if long is not None:
+            raise APIError(400, f"input[{long}] is longer than the {enc.max_seq_length} tokens {self.embedding_name} reads; split it", param="input", code="context_length_exceeded")
         try:
             vectors = await asyncio.to_thread(enc.encode, texts)
         except (TypeError, ValueError) as exc:
             raise APIError(400, str(exc), param="input") from None
-        tokens = sum(len(enc.tokenizer.encode(t)) for t in texts) if hasattr(enc, "tokenizer") and hasattr(enc.tokenizer, "encode") else 0
+        tokens = sum(sum(e.attention_mask) for e in encodings)  # the padding of a batch not counted
         if body.encoding_format == "base64":  # what the openai client asks for: little-endian float32, as OpenAI sends it
             data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()} for i, v in enumerate(vectors)]
         else:

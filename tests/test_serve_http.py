@@ -345,6 +345,16 @@ def test_a_bad_bound_is_refused_before_anything_loads(option, value):
     assert r.returncode == 2 and option in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_serving_beyond_this_machine_without_a_key_is_pointed_out():
+    from qkv.cli.serve import exposure_note
+
+    for host in ("0.0.0.0", "::", "192.168.1.5", "myhost.example"):
+        assert "--api-key" in exposure_note(host, None)
+        assert exposure_note(host, "k") is None
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert exposure_note(host, None) is None
+
+
 def test_a_full_queue_gets_429_and_a_deadline_504():
     s = Server("--max-batch", "1", "--max-waiting", "1", "--timeout", "3", "--embedding-model", "none")
     try:

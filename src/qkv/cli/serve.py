@@ -45,6 +45,20 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def exposure_note(host: str, key: str | None) -> str | None:
+    """What to tell someone serving beyond this machine without an API key (None: nothing to tell)."""
+    import ipaddress
+
+    if key is not None or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve to any interface
+        pass
+    return f"qkv: note: listening on {host} without --api-key: anyone who can reach this port can use the model (and the machine's cores)"
+
+
 def cmd_serve(args) -> int:
     try:
         import uvicorn
@@ -93,6 +107,9 @@ def cmd_serve(args) -> int:
                            max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, int8_activations=args.int8_activations, seed=args.seed, limits=limits)  # fmt: skip
     scheduler.start()
     where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
+    note = exposure_note(args.host, key)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'}{'; int8 activations' if args.int8_activations else ''})", file=sys.stderr, flush=True)
     try:
         uvicorn.Server(config(app, host=args.host, port=args.port, log_level=args.log_level, read_timeout=args.read_timeout, max_connections=args.max_connections)).run()

@@ -62,9 +62,9 @@ def error_response(status: int, message: str, *, param=None, code=None, kind="in
 
 class _Body(BaseModel):
     # An argument qkv does not know is refused, as OpenAI refuses one (an option dropped without a word
-    # would change the answer without a word). Each field below is honoured, or changes nothing here
-    # (:data:`_NO_EFFECT`), or is one of OpenAI's that qkv does not implement: accepted only at the value
-    # that asks for nothing, refused otherwise (:data:`_UNSUPPORTED`).
+    # would change the answer without a word). Each field below is honoured, or changes nothing here,
+    # or is one of OpenAI's that qkv does not implement: accepted only at the value that asks for
+    # nothing, refused otherwise (:data:`_UNSUPPORTED`).
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -121,7 +121,7 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
-    # OpenAI's, changing nothing here (_NO_EFFECT)
+    # OpenAI's, changing nothing here
     metadata: dict | None = None
     store: bool | None = None
     service_tier: str | None = None

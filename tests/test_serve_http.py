@@ -189,6 +189,8 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400, "messages[0].tool_calls"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temprature": 0}, 400, "temprature"),  # a typo: not a default quietly used
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 0}, 400, "top_k"),
+    ("POST", "/v1/chat/completions", {"messages": None}, 400, "messages"),  # null is a default, and messages have none
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "unheard_of": None}, 400, "unheard_of"),
     ("POST", "/v1/completions", {"prompt": "hi", "suffix": " the end."}, 400, "suffix"),
     ("POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
@@ -223,6 +225,10 @@ def test_options_that_ask_for_nothing_change_nothing_and_sampling_options_are_ge
     assert same.choices[0].message.content == plain.choices[0].message.content
     again = c.chat.completions.create(model="gemma3-270m", messages=[*messages, plain.choices[0].message, {"role": "user", "content": "And three more."}], max_tokens=4, temperature=0)
     assert again.choices[0].message.content
+    # OpenAI's arguments are nullable: null is the default (clients that send every argument, null where unset)
+    nulls = {k: None for k in ("n", "top_p", "stream", "stop", "seed", "logprobs", "top_logprobs", "user", "frequency_penalty", "tools", "response_format", "repetition_penalty", "top_k")}
+    status, data, _ = server.request("POST", "/v1/chat/completions", {"model": "gemma3-270m", "messages": messages, "max_tokens": 12, "temperature": 0, **nulls})
+    assert status == 200 and data["choices"][0]["message"]["content"] == plain.choices[0].message.content, data
     # top_k, min_p and repetition_penalty (vLLM's and llama-server's names) are qkv generate's options: the same tokens
     for extra, seed in (({"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}, 11), ({"repetition_penalty": 1.3}, None)):  # sampled, then greedy
         args = ["generate", "Once upon a time", "--max-new-tokens", "12", "--json", *(x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v)))]

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
@@ -60,12 +60,28 @@ def error_response(status: int, message: str, *, param=None, code=None, kind="in
 # ------------------------------------------------------------ request bodies
 
 
-class _Body(BaseModel):
+class _Strict(BaseModel):
+    """A request object: an unknown field is refused; a field given as null takes its default.
+
+    OpenAI's arguments are nullable (``"temperature": null`` asks for the default), and some clients
+    send every argument they have, null where unset."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        return data
+
+
+class _Body(_Strict):
     # An argument qkv does not know is refused, as OpenAI refuses one (an option dropped without a word
     # would change the answer without a word). Each field below is honoured, or changes nothing here,
     # or is one of OpenAI's that qkv does not implement: accepted only at the value that asks for
     # nothing, refused otherwise (:data:`_UNSUPPORTED`).
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -101,8 +117,7 @@ class _Part(BaseModel):
     text: str | None = None
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Message(_Strict):
     role: str
     content: str | list[_Part] | None = None
     name: str | None = None  # given to the chat template with the message (a template may show it)
@@ -145,8 +160,7 @@ class ChatBody(_Body):
     moderation: object = None
 
 
-class EmbeddingBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class EmbeddingBody(_Strict):
     model: str | None = None
     input: str | list[str]
     encoding_format: str = "float"

@@ -189,6 +189,7 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400, "messages[0].tool_calls"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temprature": 0}, 400, "temprature"),  # a typo: not a default quietly used
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 0}, 400, "top_k"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "max_completion_tokens": 9}, 400, "max_completion_tokens"),
     ("POST", "/v1/chat/completions", {"messages": None}, 400, "messages"),  # null is a default, and messages have none
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "unheard_of": None}, 400, "unheard_of"),
     ("POST", "/v1/completions", {"prompt": "hi", "suffix": " the end."}, 400, "suffix"),

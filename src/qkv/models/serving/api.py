@@ -429,6 +429,8 @@ class _Server:
         except Exception as exc:  # a template's own error (raise_exception), or the sandbox refusing: the client's messages
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
         prompt = self.lm.tokenizer.encode(text, add_bos=False)
+        if body.max_tokens is not None and body.max_completion_tokens is not None and body.max_tokens != body.max_completion_tokens:
+            raise APIError(400, f"max_tokens ({body.max_tokens}) and max_completion_tokens ({body.max_completion_tokens}) disagree: give one", param="max_completion_tokens")
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._max_tokens(asked, len(prompt), self.limits.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None

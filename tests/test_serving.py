@@ -218,6 +218,57 @@ def test_paged_attention_gives_each_token_the_same_bits_alone_in_a_batch_and_on_
         assert np.array_equal(out, runs[0]), parts
 
 
+PAGED_BAD = [  # (what is changed, value, what the error names); 2 sequences, 4 pages of 4 positions, one key head
+    ("block_table", [[0, -1], [2, 3]], "block_table's pages"),  # -1 read by position 5: never wraps to the last page
+    ("block_table", [[0, 9], [2, 3]], "block_table's pages"),  # past the pool: the kernel would read outside it
+    ("block_table", [[0.0, 1.0], [2.0, 3.0]], "block_table"),
+    ("rows", [0, 2], "rows"),
+    ("rows", [0, -1], "rows"),
+    ("positions", [5, -1], "positions"),
+    ("positions", [5, 8], "positions"),
+    ("positions", [5], "positions"),
+    ("sinks", np.zeros(1, np.float32), "sinks"),
+    ("key_pages", np.zeros((4, 4, 1, 8), np.float64), "key_pages"),
+    ("value_pages", np.zeros((4, 4, 1, 4), np.float32), "value_pages"),
+    ("query", np.zeros((2, 8), np.float32), "query shape"),
+]
+
+
+@pytest.mark.parametrize("name,value,named", PAGED_BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(PAGED_BAD)])
+def test_paged_attention_checks_every_index_before_its_kernel_reads(name, value, named):
+    # Its compiled kernel reads without bounds checks: a page, row or position out of range would read
+    # other memory (a page 9 of 4 gave numbers like 1e28; a row past the table crashed the interpreter).
+    rng = np.random.default_rng(0)
+    args = dict(query=rng.standard_normal((2, 2, 8)).astype(np.float32), key_pages=rng.standard_normal((4, 4, 1, 8)).astype(np.float32),
+                value_pages=rng.standard_normal((4, 4, 1, 8)).astype(np.float32), block_table=np.array([[0, 1], [2, 3]]), rows=np.array([0, 1]), positions=np.array([5, 7]))  # fmt: skip
+    ok = paged_attention(**args, scale=0.5)
+    assert np.isfinite(ok).all()
+    args[name] = np.asarray(value)
+    with pytest.raises(ValueError, match=named):
+        paged_attention(**args, scale=0.5)
+
+
+def test_paged_attention_reads_only_the_pages_a_token_needs():
+    # as gather_pages: a table's unused tail (a page number not yet given, -1 say) is never read, so never checked
+    rng = np.random.default_rng(0)
+    q, kp, vp = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((4, 4, 1, 8)).astype(np.float32), rng.standard_normal((4, 4, 1, 8)).astype(np.float32)
+    got = paged_attention(q, kp, vp, np.array([[2, -1]]), [0], [3], scale=0.5)
+    assert np.array_equal(got, paged_attention(q, kp, vp, np.array([[2, 0]]), [0], [3], scale=0.5))
+
+
+def test_a_step_checks_its_tokens_pages_and_positions(lm):
+    pool = PagePool(lm.config.num_layers, 4, 16, lm.config.num_kv_heads, lm.config.head_dim)
+    ids = lm.tokenizer.encode("The capital of France is")
+    for table, positions, tokens, named in (([[0, -1]], range(14, 14 + len(ids)), ids, "block_table's pages"), ([[0, 1]], range(len(ids)), [5, -3, *ids[2:]], "batch.tokens")):
+        with pytest.raises(ValueError, match=named):
+            forward_step(lm, pool, Batch(tokens, [0] * len(ids), list(positions), np.array(table), [len(ids) - 1], 16))
+    with pytest.raises(ValueError, match="positions"):
+        Batch(ids, [0] * len(ids), [-1, *range(1, len(ids))], np.array([[0, 1]]), [len(ids) - 1], 16)  # a negative position never wraps
+    with pytest.raises(ValueError, match="rows"):
+        Batch(ids, [1] * len(ids), range(len(ids)), np.array([[0, 1]]), [len(ids) - 1], 16)
+    assert pool.pages_in_use == 0 and not pool.keys.any()  # refused before anything was written
+
+
 # ------------------------------------------------------------ log-probabilities
 
 

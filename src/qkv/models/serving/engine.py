@@ -41,6 +41,7 @@ from numba import njit, prange
 
 from ..._numba_cache import install as _install_cache
 
+from ..._checks import as_array, check_ids, check_int_vector
 from ..._compiled import _exp, _float_from_bits, _max_key, attend_one_parts, exp_scores_, head_span
 from ..engines import decode_step
 from ..formats.quants import int8_activations as int8_activations_in
@@ -122,19 +123,66 @@ def paged_attention(query, key_pages, value_pages, block_table, rows, positions,
     Returns
     -------
     ndarray, float32, shape (T, Hq, D)
+
+    Every index is checked first (the kernel reads without bounds checks): a row outside the block
+    table, a negative position, or a page number outside ``[0, P)`` among those a token reads
+    (negative ones included: they never wrap) is a ``ValueError`` naming it.
     """
-    q = np.ascontiguousarray(query, np.float32)
+    q, key_pages, value_pages, block_table, rows, positions, sinks, alibi_slopes = _checked(query, key_pages, value_pages, block_table, rows, positions, sinks, alibi_slopes)
+    return _attend_pages(q, key_pages, value_pages, block_table, rows, positions, window, scale, softcap, sinks, alibi_slopes)
+
+
+def _attend_pages(q, kp, vp, table, rows, positions, window, scale, softcap, sinks, slopes):  # checked arrays -> (T, Hq, D)
     T, Hq, D = q.shape
     out = np.empty((T, Hq, D), np.float32)
-    none = np.zeros(0, np.float32)
     _paged_attention(
-        q, key_pages, value_pages, np.ascontiguousarray(block_table, np.int64), np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(positions, np.int64),
-        0 if window is None else int(window), np.float32(scale), np.float32(softcap or 0),
-        none if sinks is None else np.ascontiguousarray(sinks, np.float32),
-        np.zeros(Hq, np.float32) if alibi_slopes is None else np.ascontiguousarray(alibi_slopes, np.float32),
-        attend_one_parts(T, Hq, key_pages.shape[2]), out,
+        q, kp, vp, table, rows, positions, 0 if window is None else int(window), np.float32(scale), np.float32(softcap or 0),
+        _NONE if sinks is None else sinks, np.zeros(Hq, np.float32) if slopes is None else slopes, attend_one_parts(T, Hq, kp.shape[2]), out,
     )  # fmt: skip
     return out
+
+
+_NONE = np.zeros(0, np.float32)
+
+
+def _check_table(table, rows, positions, num_pages: int, page: int) -> None:  # (N, W), (T,), (T,) int64
+    """Rows within the table, positions within their row's pages, and every page a token reads in [0, P)."""
+    N, W = table.shape
+    check_ids(rows, N, "rows (block_table's rows)")
+    check_ids(positions, W * page, f"positions (block_table's {W} pages of {page})")
+    read = table[rows][np.arange(W) <= (positions // page)[:, None]]  # every page a token's keys come from
+    check_ids(read, num_pages, "block_table's pages (those the tokens read)")
+
+
+def _checked(query, key_pages, value_pages, block_table, rows, positions, sinks, alibi_slopes):
+    """paged_attention's arguments as the kernel takes them, every shape and index checked."""
+    q = np.ascontiguousarray(query, np.float32)
+    kp, vp = (as_array(a, name) for a, name in ((key_pages, "key_pages"), (value_pages, "value_pages")))
+    if q.ndim != 3:
+        raise ValueError(f"query shape should be (T, Hq, D), got {q.shape}")
+    T, Hq, D = q.shape
+    for a, name in ((kp, "key_pages"), (vp, "value_pages")):
+        if a.dtype != np.float32 or a.ndim != 4 or a.shape[3] != D or a.shape != kp.shape:
+            raise ValueError(f"{name} should be float32 pages (P, page_size, Hk, D) with D = {D}, as key_pages, got {a.dtype} {a.shape}")
+    P, page, Hk = kp.shape[:3]
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"query's {Hq} heads should be a multiple of the pages' {Hk} key heads")
+    table = as_array(block_table, "block_table")
+    if table.ndim != 2 or (table.size and table.dtype.kind not in "iu"):
+        raise ValueError(f"block_table should be an (N, W) array of page numbers, got shape {table.shape} dtype {table.dtype}")
+    rows, positions = check_int_vector(rows, "rows"), check_int_vector(positions, "positions")
+    if rows.shape != (T,) or positions.shape != (T,):
+        raise ValueError(f"rows and positions should be (T,) = ({T},), one per query token, got {rows.shape} and {positions.shape}")
+    table = np.ascontiguousarray(table, np.int64)
+    _check_table(table, rows, positions, P, page)
+    vectors = []
+    for a, name in ((sinks, "sinks"), (alibi_slopes, "alibi_slopes")):
+        if a is not None:
+            a = np.ascontiguousarray(as_array(a, name), np.float32)
+            if a.shape != (Hq,):
+                raise ValueError(f"{name} shape should be (Hq,) = ({Hq},), got {a.shape}")
+        vectors.append(a)
+    return (q, kp, vp, table, rows, positions, *vectors)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})  # reassoc: the sum in SIMD lanes; _exp, compiled apart, keeps its own order
@@ -241,6 +289,11 @@ class Batch:
         self.positions = np.asarray(positions, np.int64)
         self.block_table = np.asarray(block_table, np.int64)
         self.logits_for = np.asarray(logits_for, np.int64)
+        self.page_size = page_size
+        N, W = self.block_table.shape
+        check_ids(self.rows, N, "rows (block_table's rows)")  # before indexing: a negative one would wrap
+        check_ids(self.positions, W * page_size, f"positions (block_table's {W} pages of {page_size})")
+        check_ids(self.logits_for, len(self.tokens), "logits_for")
         self.pages = self.block_table[self.rows, self.positions // page_size]  # (T,): where each token's keys go
         self.slots = self.positions % page_size
 
@@ -253,6 +306,13 @@ def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = Tr
     (:func:`qkv.models.formats.quants.int8_activations`): faster, not exact, and still each token's
     own (batch-invariant answers stay so)."""
     cfg = lm.config
+    # Once a step, the indices the compiled kernels read without bounds checks (their rows and positions: Batch)
+    if batch.page_size != pool.page_size:
+        raise ValueError(f"batch's page size ({batch.page_size}) should be the pool's ({pool.page_size})")
+    _check_table(batch.block_table, batch.rows, batch.positions, pool.keys.shape[1], pool.page_size)
+    check_ids(batch.tokens, cfg.vocab_size, "batch.tokens")
+    sinks = [None if layer.sinks is None else np.ascontiguousarray(layer.sinks, np.float32) for layer in lm.layers]
+    slopes = None if lm._alibi is None else np.ascontiguousarray(lm._alibi, np.float32)
     h = lm._embed_tokens(batch.tokens, batch.positions)[None]  # (1, T, E): CausalLM's blocks are batch first
     rope_at = lm._rope_at(batch.positions)  # each token at its own position
 
@@ -260,8 +320,8 @@ def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = Tr
         pool.keys[i, batch.pages, batch.slots] = k[0].swapaxes(0, 1)  # (T, Hk, D) into their pages
         pool.values[i, batch.pages, batch.slots] = v[0].swapaxes(0, 1)
         window = cfg.windows[i]
-        o = paged_attention(q[0].swapaxes(0, 1), pool.keys[i], pool.values[i], batch.block_table, batch.rows, batch.positions,
-                            window=window, scale=cfg.query_scale, softcap=cfg.attn_softcap, sinks=lm.layers[i].sinks, alibi_slopes=lm._alibi)  # fmt: skip
+        o = _attend_pages(np.ascontiguousarray(q[0].swapaxes(0, 1)), pool.keys[i], pool.values[i], batch.block_table, batch.rows, batch.positions,
+                          window, cfg.query_scale, cfg.attn_softcap, sinks[i], slopes)  # fmt: skip
         return o.swapaxes(0, 1)[None], None  # (1, Hq, T, D)
 
     steps = _compiled_steps(lm, len(batch.tokens))

@@ -34,6 +34,19 @@ def test_pages_are_shared_by_reference_and_cached_after_release():
         pool.release([a])
 
 
+def test_a_page_outside_the_pool_is_an_error_never_another_page():
+    pool = PagePool(num_layers=1, num_pages=4, page_size=2, num_kv_heads=1, head_dim=2)
+    held = [pool.allocate() for _ in range(4)]
+    for bad in (-1, 4, 2.0):
+        with pytest.raises((ValueError, TypeError), match="page"):
+            pool.release([bad])  # -1 would have released the last page
+        with pytest.raises((ValueError, TypeError), match="page"):
+            pool.publish(bad, [1, 2], parent=None)
+        with pytest.raises((ValueError, TypeError), match="parent"):
+            pool.publish(held[0], [1, 2], parent=bad)
+    assert pool.pages_in_use == 4 and pool.cached_pages == 0
+
+
 def test_cached_pages_are_evicted_least_recently_used_first():
     pool = PagePool(num_layers=1, num_pages=3, page_size=1, num_kv_heads=1, head_dim=1)
     pages = [pool.allocate() for _ in range(3)]

@@ -35,7 +35,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..._checks import check_int
+from ..._checks import check_id, check_int
 
 __all__ = ["PagePool", "OutOfPages"]
 
@@ -135,6 +135,9 @@ class PagePool:
         content published already stays the one shared (this one is freed when released)."""
         if len(tokens) != self.page_size:
             raise ValueError(f"tokens should fill the page ({self.page_size}), got {len(tokens)}")
+        page = check_id(page, self.num_pages, "page")  # a negative page never stands for the last one
+        if parent is not None:
+            parent = check_id(parent, self.num_pages, "parent")
         if parent is not None and parent not in self._key_of:
             return  # its predecessor was not published (or forgotten): nothing can reach this one
         key = _digest(None if parent is None else self._key_of[parent], tokens)
@@ -145,6 +148,7 @@ class PagePool:
     def release(self, pages) -> None:
         """Each page loses one holder; one nobody holds goes back: to the cache if published, else free."""
         for p in pages:
+            p = check_id(p, self.num_pages, "page")
             if self.refs[p] <= 0:
                 raise ValueError(f"page {p} is not held: released twice")
             self.refs[p] -= 1

@@ -169,6 +169,13 @@ def test_block_products_refuse_shapes_that_do_not_agree():
             quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], x, out)
     with pytest.raises(ValueError, match="x should be C-contiguous"):
         quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], np.zeros((64, 2), np.float32).T, ok_out)
+    # another dtype would compile a kernel that reads it as float32 (or fail deep in numba); a code no block type has
+    with pytest.raises(TypeError, match="x should be a 2-D float32 array, got float64"):
+        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], ok_x.astype(np.float64), ok_out)
+    with pytest.raises(TypeError, match="d should be"):
+        quant_simd.matmul_blocks(m.raw, m.d.astype(np.float16), m.dmin, _CODE["Q8_0"], ok_x, ok_out)
+    with pytest.raises(ValueError, match="code should be"):
+        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, 99, ok_x, ok_out)
 
 
 def test_stacking_keeps_quantized_parts_without_copying_them():

@@ -617,6 +617,11 @@ def matmul_blocks(raw, d, dmin, code, x, out):  # (R, row bytes) u8, (R, nb) f32
 
 
 def _check_shapes(raw, d, dmin, code, x, out) -> None:  # the kernels read without bounds checks
+    if code not in _RUNS:
+        raise ValueError(f"code should be a block type's ({sorted(_RUNS)}), got {code!r}")
+    for a, name, dtype in ((raw, "raw", np.uint8), (d, "d", np.float32), (dmin, "dmin", np.float32), (x, "x", np.float32), (out, "out", np.float32)):
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 2:  # (another dtype would compile a kernel that misreads it)
+            raise TypeError(f"{name} should be a 2-D {np.dtype(dtype).name} array, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
     per, size = (32, _RUNS[code][1]) if code in (_Q8_0, _Q4_0, _Q5_0) else (256, _RUNS[code][1])
     R, nb = d.shape
     T, n_in = x.shape

@@ -178,6 +178,32 @@ def test_block_products_refuse_shapes_that_do_not_agree():
         quant_simd.matmul_blocks(m.raw, m.d, m.dmin, 99, ok_x, ok_out)
 
 
+def test_decoders_and_float_products_refuse_what_their_kernels_would_misread():
+    """quant_kernels' entries read without bounds checks too: a shape, dtype or length that does not agree is
+    an error naming the argument (an `out` too short had been written past its end)."""
+    from qkv.models.formats import quant_kernels as qk
+    from qkv.models.formats.quants import _CODE
+
+    m = QuantizedMatrix(random_blocks("Q4_K", 4, 256, np.random.default_rng(0)), "Q4_K", (4, 256))
+    ok = np.zeros((4, 256), np.float32)
+    qk.dequantize_into(m.raw, m.d, m.dmin, _CODE["Q4_K"], ok)
+    assert np.array_equal(ok, m.dequantize())
+    cases = [
+        (lambda: qk.dequantize_into(m.raw, m.d, m.dmin, _CODE["Q4_K"], np.zeros((4, 255), np.float32)), ValueError, "out shape"),
+        (lambda: qk.dequantize_into(m.raw, m.d, m.dmin, _CODE["Q4_K"], np.zeros((5, 256), np.float32)), ValueError, "out shape"),
+        (lambda: qk.dequantize_into(m.raw[:, :-1], m.d, m.dmin, _CODE["Q4_K"], ok), ValueError, "raw shape"),
+        (lambda: qk.dequantize_into(m.raw, m.d, m.dmin[:, :0], _CODE["Q4_K"], ok), ValueError, "dmin shape"),
+        (lambda: qk.dequantize_into(m.raw, m.d.astype(np.float64), m.dmin, _CODE["Q4_K"], ok), TypeError, "d should be"),
+        (lambda: qk.matmul_f32(ok, np.zeros((2, 255), np.float32), np.zeros((2, 4), np.float32)), ValueError, "x shape"),
+        (lambda: qk.matmul_f32(ok, np.zeros((2, 256), np.float32), np.zeros((2, 3), np.float32)), ValueError, "out shape"),
+        (lambda: qk.matmul_lut(np.zeros((4, 8), np.uint16), qk.F16_TABLE[:10], np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32)), ValueError, "table shape"),
+        (lambda: qk.dequantize_lut_into(np.zeros((4, 8), np.int16), qk.F16_TABLE, np.zeros((4, 8), np.float32)), TypeError, "raw16 should be"),
+    ]
+    for call, kind, named in cases:
+        with pytest.raises(kind, match=named):
+            call()
+
+
 def test_stacking_keeps_quantized_parts_without_copying_them():
     rng = np.random.default_rng(0)
     a = QuantizedMatrix(random_blocks("Q5_0", 8, 64, rng), "Q5_0", (8, 64))

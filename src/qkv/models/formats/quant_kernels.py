@@ -199,10 +199,27 @@ _DEQUANTIZE = (njit(cache=True, nogil=True, parallel=True)(_dequantize), njit(ca
 _BLOCK_CODES = (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K)
 
 
+_SIZES = {_Q8_0: (32, 34), _Q4_0: (32, 18), _Q5_0: (32, 22), _Q4_K: (256, 144), _Q5_K: (256, 176), _Q6_K: (256, 210)}  # values, bytes a block
+
+
+def _need(a, name: str, dtype, shape: tuple) -> None:
+    """``a`` is an array of ``dtype`` and ``shape`` (None: any length there): the kernels read without bounds checks."""
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != len(shape):
+        raise TypeError(f"{name} should be a {len(shape)}-D {np.dtype(dtype).name} array, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    if any(want is not None and want != got for want, got in zip(shape, a.shape)):
+        raise ValueError(f"{name} shape should be {tuple('*' if x is None else x for x in shape)}, got {a.shape}")
+
+
 def dequantize_into(raw, d, dmin, code, out, *, parallel: bool = True):  # (R, row bytes) uint8, (R, nb) f32, (R, nb or 0) f32, int, (R, in) f32
     """out <- every row's values, bit for bit ``gguf.quants.dequantize``'s (the block types; F16/BF16 use the tables)."""
     if code not in _BLOCK_CODES:
         raise ValueError(f"no decoder for type code {code}")
+    per, size = _SIZES[code]
+    _need(d, "d", np.float32, (None, None))
+    R, nb = d.shape
+    _need(raw, "raw", np.uint8, (R, nb * size))
+    _need(dmin, "dmin", np.float32, (R, nb) if code in (_Q4_K, _Q5_K) else (None, None))
+    _need(out, "out", np.float32, (R, nb * per))
     _DEQUANTIZE[0 if parallel else 1](raw, d, dmin, code, out)
 
 
@@ -220,9 +237,16 @@ def _dot_f32(w, x, t):  # a decoded row (in,) . token t's activations
     return s
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def matmul_f32(w, x, out):  # (R, in) f32, (T, in) f32, (T, R) f32
     """out[t, r] <- w[r] . x[t], each by the same loop as a decoded row's (a sum order set by ``in`` alone)."""
+    _need(w, "w", np.float32, (None, None))
+    _need(x, "x", np.float32, (None, w.shape[1]))
+    _need(out, "out", np.float32, (x.shape[0], w.shape[0]))
+    _matmul_f32(w, x, out)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def _matmul_f32(w, x, out):
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
             out[t, r] = _dot_f32(w[r], x, t)
@@ -240,14 +264,25 @@ def _dq_lut(raw16, table, out):  # (R, in) uint16, (65536,) f32, (R, in) f32
 _DQ_LUT = (njit(cache=True, nogil=True, parallel=True)(_dq_lut), njit(cache=True, nogil=True)(twin(_dq_lut, "_serial")))
 
 
-def dequantize_lut_into(raw16, table, out, *, parallel: bool = True):
+def dequantize_lut_into(raw16, table, out, *, parallel: bool = True):  # (R, in) uint16, (65536,) f32, (R, in) f32
     """F16 / BF16 rows through their table."""
+    _need(raw16, "raw16", np.uint16, (None, None))
+    _need(table, "table", np.float32, (65536,))
+    _need(out, "out", np.float32, raw16.shape)
     _DQ_LUT[0 if parallel else 1](raw16, table, out)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def matmul_lut(raw16, table, x, out):  # (R, in) uint16, (65536,) f32, (T, in) f32, (T, R) f32
     """out[t, r] <- sum_j table[raw16[r, j]] * x[t, j] (F16 / BF16 weights)."""
+    _need(raw16, "raw16", np.uint16, (None, None))
+    _need(table, "table", np.float32, (65536,))
+    _need(x, "x", np.float32, (None, raw16.shape[1]))
+    _need(out, "out", np.float32, (x.shape[0], raw16.shape[0]))
+    _matmul_lut(raw16, table, x, out)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def _matmul_lut(raw16, table, x, out):
     rows, n, T = raw16.shape[0], raw16.shape[1], x.shape[0]
     for r in prange(rows):
         for t in range(T):

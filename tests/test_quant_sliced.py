@@ -45,6 +45,11 @@ def test_slices_hold_each_activation_to_float32s_precision():
     x[2, 160] = np.nan
     slices, steps, sums = quant_sliced.slice_activations(x)
     assert slices.dtype == np.int8 and steps.dtype == sums.dtype == np.float32
+    # the runs are placed by super-block: a row of a part of one would have been written past its end
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        quant_sliced.slice_activations(x[:, :32].copy())
+    with pytest.raises(TypeError, match="float32"):
+        quant_sliced.slice_activations(x.astype(np.float64))
     assert slices.shape == (3, 3, 512) and steps.shape == sums.shape == (3, 16)
     # the rounding, written out here in float64: the step a power of two, the largest |m| as large as three
     # signed bytes allow (8,355,711), m = x / step rounded to the nearest integer

@@ -183,8 +183,18 @@ def _dots_q4_k(rows: int):
 _one, _two = _dots_q4_k(1), _dots_q4_k(2)
 
 
-@njit(cache=True, nogil=True)
 def slice_activations(x):  # (T, N) float32 -> slices (T, 3, N) int8, steps (T, N/32) float32, sums (T, N/32) float32
+    """:func:`_slice_activations` of ``x`` (float32, C-contiguous, N a whole number of super-blocks of 256
+    values: the runs are placed by super-block, and a shorter row would be written past its end)."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous:
+        raise TypeError(f"x should be a C-contiguous 2-D float32 array, got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    if x.shape[1] % 256:
+        raise ValueError(f"x's rows should hold whole super-blocks of 256 values, got {x.shape[1]}")
+    return _slice_activations(x)
+
+
+@njit(cache=True, nogil=True)
+def _slice_activations(x):
     """Each token's values, a run of 32 at a time, as ``step * (s2 * 65536 + s1 * 256 + s0)`` (see the
     module's docstring), the three slices' runs in :data:`ORDER` within each super-block; ``sums``: each
     run's ``step * sum(m)``. A run with an inf or NaN gets a NaN step and sum (so its products are NaN,
@@ -242,7 +252,7 @@ def slice_activations(x):  # (T, N) float32 -> slices (T, 3, N) int8, steps (T, 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _matmul_parallel(raw, d, dmin, code, x, out):  # one token: out (1, R) <- W x (rows in parallel on numba's threads)
-    slices, steps, sums = slice_activations(x)
+    slices, steps, sums = _slice_activations(x)
     half = raw.shape[0] // 2
     for p in prange(half):  # rows p and p + half (see _dots_q4_k)
         _two(raw, d, dmin, slices, steps, sums, p, p + half, out)
@@ -255,7 +265,7 @@ def _matmul_parts_parallel(raws, ds, dmins, x, out):  # one token; parts (R_p, b
     """:func:`_matmul_parallel` of each part (a stacked matrix: q, k and v, or gate and up) into its columns
     of ``out``, with one slicing of x and one parallel loop for all of them: the same rows, the same bits.
     Each part's rows p and p + R_p // 2 go together as there; empty parts (no rows) are skipped."""
-    slices, steps, sums = slice_activations(x)
+    slices, steps, sums = _slice_activations(x)
     n = len(raws)
     first = np.zeros(n + 1, np.int64)  # the first pair of part j, of all parts' pairs
     col = np.zeros(n, np.int64)  # the first column of part j in out

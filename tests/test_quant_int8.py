@@ -87,7 +87,7 @@ def test_the_plain_vector_fallback_and_avx2_give_the_vnni_bits(qtype, off, monke
 
     @njit
     def run(raw, d, dmin, x, out):
-        xq, dx, sums = quant_int8.quantize_activations(x)
+        xq, dx, sums = quant_int8._quantize_activations(x)  # (in compiled code: the checked entry is Python)
         for r in range(raw.shape[0]):
             kernel(raw, d, dmin, xq, dx, sums, r, out)
 
@@ -106,6 +106,8 @@ def test_rounding_the_activations_as_llama_cpp():
     np.testing.assert_array_equal(xq.reshape(3, -1, 32).sum(-1), sums)
     want, _ = _rounded(x)
     np.testing.assert_array_equal((xq.reshape(3, -1, 32) * dx[..., None].astype(np.float64)).reshape(3, 128), want)
+    with pytest.raises(ValueError, match="whole blocks of 32"):  # the last 8 values would have been left out, unwritten
+        quant_int8.quantize_activations(x[:, :40].copy())
 
 
 def test_nan_and_inf_come_out_as_nan_not_as_numbers():

@@ -176,8 +176,18 @@ def _row(raw, d, dmin, code, xq, dx, xs, r, out):
         _d6k(raw, d, dmin, xq, dx, xs, r, out)
 
 
-@njit(cache=True, nogil=True)
 def quantize_activations(x):  # (T, N) f32 -> xq (T, N) i8, dx (T, N/32) f32, sums (T, N/32) f32
+    """:func:`_quantize_activations` of ``x`` (float32, N a whole number of blocks of 32: a part of one
+    would be left out of the blocks, its int8 values never written)."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
+        raise TypeError(f"x should be a 2-D float32 array, got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    if x.shape[1] % 32:
+        raise ValueError(f"x's rows should hold whole blocks of 32 values, got {x.shape[1]}")
+    return _quantize_activations(x)
+
+
+@njit(cache=True, nogil=True)
+def _quantize_activations(x):
     """Each token's values rounded to int8 per block of 32: ``x ~ dx * xq``, ``dx = max |x| / 127``
     (llama.cpp's Q8_0), and each block's sum of xq (exact in float32)."""
     T, n = x.shape
@@ -205,7 +215,7 @@ def quantize_activations(x):  # (T, N) f32 -> xq (T, N) i8, dx (T, N/32) f32, su
 
 @njit(cache=True, nogil=True, parallel=True)
 def _matmul_parallel(raw, d, dmin, code, x, out):
-    xq, dx, sums = quantize_activations(x)
+    xq, dx, sums = _quantize_activations(x)
     for r in prange(raw.shape[0]):
         _row(raw, d, dmin, code, xq, dx, sums, r, out)
 

@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take before it is stopped (default 600)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     p.add_argument("--batch-variant", action="store_true", help="steps of more than 32 tokens (a prompt's chunk beside others) through BLAS tiles, whose last bits depend on the batch (default: batch-invariant answers)")
-    p.add_argument("--int8-activations", action="store_true", help="round each token's activations to int8 per block of 32 before the quantized products, as llama.cpp does: faster decoding, not exact (answers stay batch-invariant)")
+    p.add_argument("--int8-activations", action="store_true", help="round each token's activations to int8 per block of 32 before the quantized products, as llama.cpp does: not exact (answers stay batch-invariant), and on the Intel Xeon measured no faster than the default (docs/benchmarks.md)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that give no seed (default 0)")
     p.add_argument("--read-timeout", type=float, default=15.0, help="seconds a request's head may take to arrive (from the connection, or the previous answer), and its body (from its head): closed, or 408, past them (default 15)")
     p.add_argument("--max-connections", type=int, default=512, help="open connections at most; one more is answered 503 (default 512)")

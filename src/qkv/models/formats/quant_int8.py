@@ -1,4 +1,4 @@
-"""Products on GGUF blocks with int8 activations, as llama.cpp computes them: opt-in, faster, not exact.
+"""Products on GGUF blocks with int8 activations, as llama.cpp computes them: opt-in, not exact.
 
 qkv's products keep the activations in float32 (:mod:`quant_simd`): each
 weight is turned into a float and multiplied, about twenty instructions for

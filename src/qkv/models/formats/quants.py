@@ -103,7 +103,7 @@ _INT8_ACTIVATIONS = contextvars.ContextVar("qkv_int8_activations", default=False
 def int8_activations(on: bool = True):
     """Within it (in this thread), the block products of up to :data:`DIRECT_TOKENS` tokens (a decode
     step, a server's batch, a short prompt) round the activations to int8 per block of 32 first and
-    multiply integers, as llama.cpp does: faster, not exact (each product moves by up to half an
+    multiply integers, as llama.cpp does: not exact (each product moves by up to half an
     activation step; see :mod:`quant_int8`). Longer prompts' products, float32 weights and F16/BF16
     ones are unchanged. Each token's result still depends on its
     row and its own activations alone.

@@ -303,7 +303,7 @@ def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = Tr
     their keys and values into ``pool``'s pages; return the logits asked for, float32.
 
     ``int8_activations``: the quantized products round each token's activations to int8 first
-    (:func:`qkv.models.formats.quants.int8_activations`): faster, not exact, and still each token's
+    (:func:`qkv.models.formats.quants.int8_activations`): not exact, and still each token's
     own (batch-invariant answers stay so)."""
     cfg = lm.config
     # Once a step, the indices the compiled kernels read without bounds checks (their rows and positions: Batch)

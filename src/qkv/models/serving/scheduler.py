@@ -106,8 +106,8 @@ class Scheduler:
     batch_invariant : bool
         Products summed in an order that does not depend on the batch (the default).
     int8_activations : bool
-        llama.cpp's int8 activations in the quantized products (``--int8-activations``): faster decoding,
-        not exact; answers stay batch-invariant.
+        llama.cpp's int8 activations in the quantized products (``--int8-activations``): not exact;
+        answers stay batch-invariant.
     seed : int
         Seeds the generators of sampled requests that give none.
     """

@@ -116,6 +116,16 @@ def check_ids(ids: np.ndarray, n: int, name: str) -> None:
         raise ValueError(f"{name} should lie in [0, {n - 1}], got [{shown}]")
 
 
+def check_array(a, name: str, dtype, shape: tuple, *, contiguous: bool = False) -> None:
+    """``a`` is an ndarray of ``dtype`` and ``shape`` (None: any length there), C-contiguous where asked: what a
+    compiled kernel that reads without bounds checks takes (another dtype would compile one that misreads it)."""
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != len(shape) or (contiguous and not a.flags.c_contiguous):
+        what = f"{'a C-contiguous ' if contiguous else 'a '}{len(shape)}-D {np.dtype(dtype).name} array"
+        raise TypeError(f"{name} should be {what}, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    if any(want is not None and want != got for want, got in zip(shape, a.shape)):
+        raise ValueError(f"{name} shape should be {tuple('*' if x is None else x for x in shape)}, got {a.shape}")
+
+
 def check_int_vector(x, name: str) -> np.ndarray:
     """A 1-D array of integers, as int64."""
     arr = as_array(x, name)

@@ -40,6 +40,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..._checks import check_array
 from ..._numba_cache import install as _install_cache
 
 from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch_block, _splat, _target_has, _V8F, _V8I, _vec
@@ -179,8 +180,7 @@ def _row(raw, d, dmin, code, xq, dx, xs, r, out):
 def quantize_activations(x):  # (T, N) f32 -> xq (T, N) i8, dx (T, N/32) f32, sums (T, N/32) f32
     """:func:`_quantize_activations` of ``x`` (float32, N a whole number of blocks of 32: a part of one
     would be left out of the blocks, its int8 values never written)."""
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
-        raise TypeError(f"x should be a 2-D float32 array, got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    check_array(x, "x", np.float32, (None, None))
     if x.shape[1] % 32:
         raise ValueError(f"x's rows should hold whole blocks of 32 values, got {x.shape[1]}")
     return _quantize_activations(x)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..._checks import check_array
 from ..._numba_cache import install as _install_cache, twin
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
@@ -202,24 +203,16 @@ _BLOCK_CODES = (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K)
 _SIZES = {_Q8_0: (32, 34), _Q4_0: (32, 18), _Q5_0: (32, 22), _Q4_K: (256, 144), _Q5_K: (256, 176), _Q6_K: (256, 210)}  # values, bytes a block
 
 
-def _need(a, name: str, dtype, shape: tuple) -> None:
-    """``a`` is an array of ``dtype`` and ``shape`` (None: any length there): the kernels read without bounds checks."""
-    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != len(shape):
-        raise TypeError(f"{name} should be a {len(shape)}-D {np.dtype(dtype).name} array, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
-    if any(want is not None and want != got for want, got in zip(shape, a.shape)):
-        raise ValueError(f"{name} shape should be {tuple('*' if x is None else x for x in shape)}, got {a.shape}")
-
-
 def dequantize_into(raw, d, dmin, code, out, *, parallel: bool = True):  # (R, row bytes) uint8, (R, nb) f32, (R, nb or 0) f32, int, (R, in) f32
     """out <- every row's values, bit for bit ``gguf.quants.dequantize``'s (the block types; F16/BF16 use the tables)."""
     if code not in _BLOCK_CODES:
         raise ValueError(f"no decoder for type code {code}")
     per, size = _SIZES[code]
-    _need(d, "d", np.float32, (None, None))
+    check_array(d, "d", np.float32, (None, None))
     R, nb = d.shape
-    _need(raw, "raw", np.uint8, (R, nb * size))
-    _need(dmin, "dmin", np.float32, (R, nb) if code in (_Q4_K, _Q5_K) else (None, None))
-    _need(out, "out", np.float32, (R, nb * per))
+    check_array(raw, "raw", np.uint8, (R, nb * size))
+    check_array(dmin, "dmin", np.float32, (R, nb) if code in (_Q4_K, _Q5_K) else (None, None))
+    check_array(out, "out", np.float32, (R, nb * per))
     _DEQUANTIZE[0 if parallel else 1](raw, d, dmin, code, out)
 
 
@@ -239,9 +232,9 @@ def _dot_f32(w, x, t):  # a decoded row (in,) . token t's activations
 
 def matmul_f32(w, x, out):  # (R, in) f32, (T, in) f32, (T, R) f32
     """out[t, r] <- w[r] . x[t], each by the same loop as a decoded row's (a sum order set by ``in`` alone)."""
-    _need(w, "w", np.float32, (None, None))
-    _need(x, "x", np.float32, (None, w.shape[1]))
-    _need(out, "out", np.float32, (x.shape[0], w.shape[0]))
+    check_array(w, "w", np.float32, (None, None))
+    check_array(x, "x", np.float32, (None, w.shape[1]))
+    check_array(out, "out", np.float32, (x.shape[0], w.shape[0]))
     _matmul_f32(w, x, out)
 
 
@@ -266,18 +259,18 @@ _DQ_LUT = (njit(cache=True, nogil=True, parallel=True)(_dq_lut), njit(cache=True
 
 def dequantize_lut_into(raw16, table, out, *, parallel: bool = True):  # (R, in) uint16, (65536,) f32, (R, in) f32
     """F16 / BF16 rows through their table."""
-    _need(raw16, "raw16", np.uint16, (None, None))
-    _need(table, "table", np.float32, (65536,))
-    _need(out, "out", np.float32, raw16.shape)
+    check_array(raw16, "raw16", np.uint16, (None, None))
+    check_array(table, "table", np.float32, (65536,))
+    check_array(out, "out", np.float32, raw16.shape)
     _DQ_LUT[0 if parallel else 1](raw16, table, out)
 
 
 def matmul_lut(raw16, table, x, out):  # (R, in) uint16, (65536,) f32, (T, in) f32, (T, R) f32
     """out[t, r] <- sum_j table[raw16[r, j]] * x[t, j] (F16 / BF16 weights)."""
-    _need(raw16, "raw16", np.uint16, (None, None))
-    _need(table, "table", np.float32, (65536,))
-    _need(x, "x", np.float32, (None, raw16.shape[1]))
-    _need(out, "out", np.float32, (x.shape[0], raw16.shape[0]))
+    check_array(raw16, "raw16", np.uint16, (None, None))
+    check_array(table, "table", np.float32, (65536,))
+    check_array(x, "x", np.float32, (None, raw16.shape[1]))
+    check_array(out, "out", np.float32, (x.shape[0], raw16.shape[0]))
     _matmul_lut(raw16, table, x, out)
 
 

@@ -58,6 +58,7 @@ from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from ..._checks import check_array
 from ..._numba_cache import install as _install_cache
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
@@ -620,8 +621,7 @@ def _check_shapes(raw, d, dmin, code, x, out) -> None:  # the kernels read witho
     if code not in _RUNS:
         raise ValueError(f"code should be a block type's ({sorted(_RUNS)}), got {code!r}")
     for a, name, dtype in ((raw, "raw", np.uint8), (d, "d", np.float32), (dmin, "dmin", np.float32), (x, "x", np.float32), (out, "out", np.float32)):
-        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 2:  # (another dtype would compile a kernel that misreads it)
-            raise TypeError(f"{name} should be a 2-D {np.dtype(dtype).name} array, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+        check_array(a, name, dtype, (None, None))
     per, size = (32, _RUNS[code][1]) if code in (_Q8_0, _Q4_0, _Q5_0) else (256, _RUNS[code][1])
     R, nb = d.shape
     T, n_in = x.shape

@@ -65,6 +65,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..._compiled import _float_from_bits
+from ..._checks import check_array
 from ..._numba_cache import install as _install_cache
 
 from .quant_simd import _F32, _I8, _I32, _Q4_K, _V8F, _bytes, _c, _check_shapes, _fma, _hsum, _k_factors8, _prefetch_block, _target_has, _vec
@@ -186,8 +187,7 @@ _one, _two = _dots_q4_k(1), _dots_q4_k(2)
 def slice_activations(x):  # (T, N) float32 -> slices (T, 3, N) int8, steps (T, N/32) float32, sums (T, N/32) float32
     """:func:`_slice_activations` of ``x`` (float32, C-contiguous, N a whole number of super-blocks of 256
     values: the runs are placed by super-block, and a shorter row would be written past its end)."""
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous:
-        raise TypeError(f"x should be a C-contiguous 2-D float32 array, got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    check_array(x, "x", np.float32, (None, None), contiguous=True)
     if x.shape[1] % 256:
         raise ValueError(f"x's rows should hold whole super-blocks of 256 values, got {x.shape[1]}")
     return _slice_activations(x)

@@ -41,7 +41,7 @@ from numba import njit, prange
 
 from ..._numba_cache import install as _install_cache
 
-from ..._checks import as_array, check_ids, check_int_vector
+from ..._checks import as_array, check_array, check_ids, check_int_vector
 from ..._compiled import _exp, _float_from_bits, _max_key, attend_one_parts, exp_scores_, head_span
 from ..engines import decode_step
 from ..formats.quants import int8_activations as int8_activations_in
@@ -157,13 +157,12 @@ def _check_table(table, rows, positions, num_pages: int, page: int) -> None:  # 
 def _checked(query, key_pages, value_pages, block_table, rows, positions, sinks, alibi_slopes):
     """paged_attention's arguments as the kernel takes them, every shape and index checked."""
     q = np.ascontiguousarray(query, np.float32)
-    kp, vp = (as_array(a, name) for a, name in ((key_pages, "key_pages"), (value_pages, "value_pages")))
     if q.ndim != 3:
         raise ValueError(f"query shape should be (T, Hq, D), got {q.shape}")
     T, Hq, D = q.shape
-    for a, name in ((kp, "key_pages"), (vp, "value_pages")):
-        if a.dtype != np.float32 or a.ndim != 4 or a.shape[3] != D or a.shape != kp.shape:
-            raise ValueError(f"{name} should be float32 pages (P, page_size, Hk, D) with D = {D}, as key_pages, got {a.dtype} {a.shape}")
+    check_array(key_pages, "key_pages", np.float32, (None, None, None, D))  # (P, page_size, Hk, D)
+    check_array(value_pages, "value_pages", np.float32, key_pages.shape)
+    kp, vp = key_pages, value_pages
     P, page, Hk = kp.shape[:3]
     if Hk == 0 or Hq % Hk:
         raise ValueError(f"query's {Hq} heads should be a multiple of the pages' {Hk} key heads")

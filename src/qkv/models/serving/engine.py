@@ -145,12 +145,16 @@ def _attend_pages(q, kp, vp, table, rows, positions, window, scale, softcap, sin
 _NONE = np.zeros(0, np.float32)
 
 
-def _check_table(table, rows, positions, num_pages: int, page: int) -> None:  # (N, W), (T,), (T,) int64
-    """Rows within the table, positions within their row's pages, and every page a token reads in [0, P)."""
+def _check_rows(table, rows, positions, page: int) -> None:  # (N, W), (T,), (T,) int64
+    """Rows within the table and positions within their row's pages (before indexing: a negative one would wrap)."""
     N, W = table.shape
     check_ids(rows, N, "rows (block_table's rows)")
     check_ids(positions, W * page, f"positions (block_table's {W} pages of {page})")
-    read = table[rows][np.arange(W) <= (positions // page)[:, None]]  # every page a token's keys come from
+
+
+def _check_pages(table, rows, positions, num_pages: int, page: int) -> None:  # checked rows and positions
+    """Every page a token reads (its row's, up to its position's) in [0, P)."""
+    read = table[rows][np.arange(table.shape[1]) <= (positions // page)[:, None]]
     check_ids(read, num_pages, "block_table's pages (those the tokens read)")
 
 
@@ -173,7 +177,8 @@ def _checked(query, key_pages, value_pages, block_table, rows, positions, sinks,
     if rows.shape != (T,) or positions.shape != (T,):
         raise ValueError(f"rows and positions should be (T,) = ({T},), one per query token, got {rows.shape} and {positions.shape}")
     table = np.ascontiguousarray(table, np.int64)
-    _check_table(table, rows, positions, P, page)
+    _check_rows(table, rows, positions, page)
+    _check_pages(table, rows, positions, P, page)
     vectors = []
     for a, name in ((sinks, "sinks"), (alibi_slopes, "alibi_slopes")):
         if a is not None:
@@ -289,9 +294,7 @@ class Batch:
         self.block_table = np.asarray(block_table, np.int64)
         self.logits_for = np.asarray(logits_for, np.int64)
         self.page_size = page_size
-        N, W = self.block_table.shape
-        check_ids(self.rows, N, "rows (block_table's rows)")  # before indexing: a negative one would wrap
-        check_ids(self.positions, W * page_size, f"positions (block_table's {W} pages of {page_size})")
+        _check_rows(self.block_table, self.rows, self.positions, page_size)  # its pages: forward_step, which knows the pool
         check_ids(self.logits_for, len(self.tokens), "logits_for")
         self.pages = self.block_table[self.rows, self.positions // page_size]  # (T,): where each token's keys go
         self.slots = self.positions % page_size
@@ -305,10 +308,10 @@ def forward_step(lm, pool: PagePool, batch: Batch, *, batch_invariant: bool = Tr
     (:func:`qkv.models.formats.quants.int8_activations`): not exact, and still each token's
     own (batch-invariant answers stay so)."""
     cfg = lm.config
-    # Once a step, the indices the compiled kernels read without bounds checks (their rows and positions: Batch)
+    # Once a step, the indices the compiled kernels read without bounds checks (its rows and positions: Batch)
     if batch.page_size != pool.page_size:
         raise ValueError(f"batch's page size ({batch.page_size}) should be the pool's ({pool.page_size})")
-    _check_table(batch.block_table, batch.rows, batch.positions, pool.keys.shape[1], pool.page_size)
+    _check_pages(batch.block_table, batch.rows, batch.positions, pool.num_pages, pool.page_size)
     check_ids(batch.tokens, cfg.vocab_size, "batch.tokens")
     sinks = [None if layer.sinks is None else np.ascontiguousarray(layer.sinks, np.float32) for layer in lm.layers]
     slopes = None if lm._alibi is None else np.ascontiguousarray(lm._alibi, np.float32)

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .http import READ_TIMEOUT
 from .scheduler import Request
 
 __all__ = ["Limits", "create_app"]
@@ -43,7 +44,7 @@ class Limits:
     max_n: int = 8
     max_top_logprobs: int = 20
     timeout_s: float = 600.0  # a request's deadline
-    read_timeout_s: float = 15.0  # a request body's deadline, from its head (the head's own: serving.http)
+    read_timeout_s: float = READ_TIMEOUT  # a request body's deadline, from its head (the head's own: serving.http)
     max_embedding_inputs: int = 256
 
 

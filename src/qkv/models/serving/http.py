@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["config"]
+__all__ = ["config", "READ_TIMEOUT", "MAX_CONNECTIONS"]
+
+READ_TIMEOUT = 15.0  #: seconds for a request's head (here) and for its body (``api.Limits.read_timeout_s``)
+MAX_CONNECTIONS = 512  #: open connections at most
 
 
 def _protocol(read_timeout: float, max_connections: int):
@@ -76,7 +79,7 @@ def _protocol(read_timeout: float, max_connections: int):
     return BoundedH11
 
 
-def config(app, *, host: str, port: int, log_level: str = "warning", read_timeout: float = 15.0, max_connections: int = 512):
+def config(app, *, host: str, port: int, log_level: str = "warning", read_timeout: float = READ_TIMEOUT, max_connections: int = MAX_CONNECTIONS):
     """uvicorn's ``Config`` for ``app`` with the bounded h11 protocol (see the module's docstring)."""
     import uvicorn
 

@@ -7,6 +7,7 @@ import threading
 import time
 
 from .api import Limits, create_app
+from .http import MAX_CONNECTIONS, config
 from .scheduler import Scheduler
 
 __all__ = ["build", "start_server", "BackgroundServer"]
@@ -23,12 +24,12 @@ def build(lm, *, model_name: str, api_key: str | None = None, embedder=None, emb
 class BackgroundServer:
     """uvicorn serving ``app`` on a thread of this process; ``url`` is its ``/v1`` base. A context manager."""
 
-    def __init__(self, scheduler, app, *, host: str = "127.0.0.1", port: int = 0, read_timeout: float = 15.0, max_connections: int = 512):
+    def __init__(self, scheduler, app, *, host: str = "127.0.0.1", port: int = 0, max_connections: int = MAX_CONNECTIONS):
         import uvicorn
 
-        from .http import config
-
         self.scheduler = scheduler
+        # a request's head has the time its body has (the app's limits): one setting for both, as qkv serve's --read-timeout
+        read_timeout = app.state.server.limits.read_timeout_s
         self._server = uvicorn.Server(config(app, host=host, port=port, read_timeout=read_timeout, max_connections=max_connections))
         self._server.install_signal_handlers = lambda: None  # not the main thread: no signal handlers
         scheduler.start()

@@ -21,7 +21,6 @@ from numba import njit, prange
 
 from ..._checks import check_array
 from ..._numba_cache import install as _install_cache, twin
-from .quants import BLOCKS, SUPPORTED
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
@@ -201,11 +200,16 @@ _DEQUANTIZE = (njit(cache=True, nogil=True, parallel=True)(_dequantize), njit(ca
 _BLOCK_CODES = (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K)
 
 
+#: Values and bytes a block, by code: quants.BLOCKS' numbers (quants imports this module, so it cannot be read
+#: from there without a cycle; tests/test_quants.py checks the two agree).
+_SIZES = {_Q8_0: (32, 34), _Q4_0: (32, 18), _Q5_0: (32, 22), _Q4_K: (256, 144), _Q5_K: (256, 176), _Q6_K: (256, 210)}
+
+
 def dequantize_into(raw, d, dmin, code, out, *, parallel: bool = True):  # (R, row bytes) uint8, (R, nb) f32, (R, nb or 0) f32, int, (R, in) f32
     """out <- every row's values, bit for bit ``gguf.quants.dequantize``'s (the block types; F16/BF16 use the tables)."""
     if code not in _BLOCK_CODES:
         raise ValueError(f"no decoder for type code {code}")
-    per, size = BLOCKS[SUPPORTED[code]]  # values, bytes a block
+    per, size = _SIZES[code]
     check_array(d, "d", np.float32, (None, None))
     R, nb = d.shape
     check_array(raw, "raw", np.uint8, (R, nb * size))

@@ -62,12 +62,46 @@ def test_a_worker_killed_mid_run_loses_no_row(client, tmp_path):
     assert len(set(map(bytes, got))) == 400
 
 
+def test_a_closing_worker_s_heartbeat_failure_is_not_printed():
+    """A worker of qkv's own cluster that closes under an in-flight heartbeat logs a traceback (dask/distributed#7192): dropped, and only then."""
+    import inspect
+    import logging
+
+    from distributed.core import Status
+    from distributed.worker import Worker
+
+    from qkv.models.corpus.cluster import _ClosingHeartbeat, _quiet_close_plugin
+
+    message = "Failed to communicate with scheduler during heartbeat."
+    assert message in inspect.getsource(Worker.heartbeat)  # the record distributed logs is the one filtered
+
+    class Stub:
+        status = Status.running
+
+    worker = Stub()
+    quiet = _ClosingHeartbeat(worker)
+    record = logging.LogRecord("distributed.worker", logging.ERROR, "worker.py", 1, message, None, None)
+    other = logging.LogRecord("distributed.worker", logging.ERROR, "worker.py", 1, "Compute Failed", None, None)
+    assert quiet.filter(record) and quiet.filter(other)  # a running worker's failed heartbeat is news
+    for status in (Status.closing, Status.closing_gracefully, Status.closed):
+        worker.status = status
+        assert not quiet.filter(record) and quiet.filter(other)
+    assert _quiet_close_plugin().name == "qkv-quiet-close"
+
+
+def test_qkv_s_own_cluster_installs_the_filter_on_its_workers(tmp_path):
+    seen = []
+    embed_corpus(["a short line"] * 12, tmp_path / "q.npy", workers=1, partition_lines=6, on_partition=lambda c, done: seen.append(c.run(lambda dask_worker: sorted(dask_worker.plugins))))
+    assert seen and all("qkv-quiet-close" in plugins for run in seen for plugins in run.values())
+
+
 def test_embed_command_on_a_local_cluster(tmp_path):
     lines = ["The river bank was steep.", "I deposited cash at the bank.", "", "Dogs bark at night."]
     src = write(tmp_path, lines)
     r = subprocess.run([sys.executable, "-m", "qkv", "embed", "--input", str(src), "--output", "d.npy", "--workers", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "wrote d.npy: 4 x 384 float32 embeddings" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
     np.testing.assert_allclose(np.load(tmp_path / "d.npy"), blank_rows_zero(lines, load_model().encode(lines)), atol=1e-6)
     r = subprocess.run([sys.executable, "-m", "qkv", "embed", "--input", str(src), "--output", "d.npy", "--scheduler", "tcp://127.0.0.1:1"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and "cannot reach the Dask scheduler at --scheduler 'tcp://127.0.0.1:1'" in r.stderr

@@ -16,6 +16,7 @@ the two agree to float rounding (bit for bit where BLAS does the same sums).
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 import warnings
@@ -33,6 +34,40 @@ _MODELS: dict = {}  # in each worker process: model path -> SentenceEncoder, loa
 
 def __dir__():
     return sorted(__all__)
+
+
+class _ClosingHeartbeat(logging.Filter):
+    """Drops the heartbeat failure a worker of our own cluster logs while it closes.
+
+    A worker that closes while a heartbeat is in flight closes the connection
+    pool under it and logs the failure as an error with its traceback
+    (dask/distributed#7192); on a cluster qkv closes itself that is
+    shutdown noise, not a fault. Any other record, and this one while the
+    worker runs, passes.
+    """
+
+    def __init__(self, worker):
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record):
+        from distributed.core import Status
+
+        closing = self.worker.status in (Status.closing, Status.closing_gracefully, Status.closed)
+        return not (closing and record.getMessage().startswith("Failed to communicate with scheduler during heartbeat"))
+
+
+def _quiet_close_plugin():
+    """A worker plugin (survives worker restarts) that installs :class:`_ClosingHeartbeat`."""
+    from dask.distributed import WorkerPlugin
+
+    class QuietClose(WorkerPlugin):
+        name = "qkv-quiet-close"
+
+        def setup(self, worker):
+            logging.getLogger("distributed.worker").addFilter(_ClosingHeartbeat(worker))
+
+    return QuietClose()
 
 
 def _encoder(model):
@@ -129,6 +164,7 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
             raise ValueError(f"workers should be >= 1, got {workers}")
         cluster = LocalCluster(n_workers=workers, threads_per_worker=max(1, (os.cpu_count() or 1) // workers), processes=True, dashboard_address=None)
         client = Client(cluster)
+        client.register_plugin(_quiet_close_plugin())
     out = None
     try:
         dim, max_seq_length = client.submit(_model_shape, model, pure=False).result()

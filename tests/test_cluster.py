@@ -89,7 +89,8 @@ def test_a_closing_worker_s_heartbeat_failure_is_not_printed():
     assert _quiet_close_plugin().name == "qkv-quiet-close"
 
 
-def test_qkv_s_own_cluster_installs_the_filter_on_its_workers(tmp_path):
+def test_qkv_s_own_cluster_installs_the_filter_on_its_workers(client, tmp_path):
+    # `client`'s cluster holds the scheduler's default HTTP port (8787): qkv's own cluster must not warn about it
     seen = []
     embed_corpus(["a short line"] * 12, tmp_path / "q.npy", workers=1, partition_lines=6, on_partition=lambda c, done: seen.append(c.run(lambda dask_worker: sorted(dask_worker.plugins))))
     assert seen and all("qkv-quiet-close" in plugins for run in seen for plugins in run.values())

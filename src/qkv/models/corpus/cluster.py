@@ -162,7 +162,10 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
         workers = 2 if workers is None else workers
         if workers < 1:
             raise ValueError(f"workers should be >= 1, got {workers}")
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=max(1, (os.cpu_count() or 1) // workers), processes=True, dashboard_address=None)
+        # No dashboard; the scheduler's HTTP routes on a free loopback port (its default, 8787,
+        # would be taken by any other cluster on the machine, with a warning to say so).
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=threads, processes=True, dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"})
         client = Client(cluster)
         client.register_plugin(_quiet_close_plugin())
     out = None

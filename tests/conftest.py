@@ -1,6 +1,7 @@
 """Shared test helpers. PyTorch is the oracle: imported here, never by qkv."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -43,3 +44,23 @@ def torch():
 
 def to_np(t):
     return t.detach().cpu().numpy()
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium driven by Playwright (the explorer's pages, ``qkv serve`` called from a page)."""
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the browser tests: .ci/run installs Debian's chromium")
+        pytest.skip("no Chromium installed (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        # As root (CI), Chromium runs only without its sandbox; the other flags keep it off the network.
+        flags = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=flags)
+        yield b
+        b.close()

@@ -9,7 +9,6 @@ import base64
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import zlib
@@ -20,7 +19,6 @@ import pytest
 
 from qkv import explorer, masks, softmax
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
 
 
@@ -120,23 +118,7 @@ def test_unwritable_place_is_an_oserror_naming_the_file(tmp_path):
     assert r.returncode == 2 and r.stderr == f"qkv: error: cannot write '{target}': No such file or directory\n"
 
 
-# --------------------------------------------------------------- in a browser
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the browser tests: .ci/run installs Debian's chromium")
-        pytest.skip("no Chromium installed (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        # As root (CI), Chromium runs only without its sandbox; the other flags keep it off the network.
-        flags = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=flags)
-        yield b
-        b.close()
-
-
+# --------------------------------------------------------------- in a browser (conftest.browser)
 class Page:
     """One explorer page open in the browser, with what it logged and asked the network for."""
 

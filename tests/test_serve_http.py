@@ -80,9 +80,13 @@ class Server:
         self.proc.stdout.close()
 
 
+PAGE_PORT = free_port()  # a web page's server (test_a_page_...): the origin the server lets call it
+PAGE_ORIGIN = f"http://127.0.0.1:{PAGE_PORT}"
+
+
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--api-key", KEY, "--max-batch", "8", "--kv-tokens", "8192", "--context", "2048", "--max-tokens", "256")
+    s = Server("--api-key", KEY, "--max-batch", "8", "--kv-tokens", "8192", "--context", "2048", "--max-tokens", "256", "--allow-origin", PAGE_ORIGIN)
     yield s
     s.stop()
 
@@ -249,6 +253,62 @@ def test_the_api_key_is_required(server):
     assert [m.id for m in server.client().models.list().data] == ["gemma3-270m", "minilm"]
 
 
+FETCH = """async ([url, key, body]) => {
+    try {
+        const r = await fetch(url, {method: "POST", headers: {"Content-Type": "application/json", "Authorization": "Bearer " + key}, body: JSON.stringify(body)});
+        const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+        let text = "";
+        for (let chunk; !(chunk = await reader.read()).done; ) text += chunk.value;
+        return {status: r.status, text};
+    } catch (e) {
+        return {error: String(e)};
+    }
+}"""
+
+
+def test_a_page_of_an_allowed_origin_streams_a_completion_and_other_pages_cannot_call(server, browser, tmp_path):
+    """In Chromium: a page from --allow-origin's origin reads a streamed completion (docs/serving.md's fetch),
+    and the same page from any other origin (localhost instead of 127.0.0.1: another origin) gets nothing."""
+    import functools
+    import http.server
+
+    (tmp_path / "index.html").write_text("<!doctype html><title>a page</title>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    pages = http.server.ThreadingHTTPServer(("127.0.0.1", PAGE_PORT), handler)
+    threading.Thread(target=pages.serve_forever, daemon=True).start()
+    body = {"model": "gemma3-270m", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "stream": True}
+    want = server.client().completions.create(**{**body, "stream": False}).choices[0].text
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    try:
+        page = browser.new_page()
+        page.goto(PAGE_ORIGIN + "/index.html")
+        got = page.evaluate(FETCH, [url, KEY, body])
+        assert got.get("status") == 200, got
+        events = [line[len("data: "):] for line in got["text"].splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want
+        refused = page.evaluate(FETCH, [url, "wrong", body])  # an error's body is readable too: the headers are on it
+        assert refused["status"] == 401 and "API key" in refused["text"]
+        page.goto(f"http://localhost:{PAGE_PORT}/index.html")
+        other = page.evaluate(FETCH, [url, KEY, body])
+        assert "error" in other and "Failed to fetch" in other["error"], other
+        page.close()
+    finally:
+        pages.shutdown()
+        pages.server_close()
+    for origin, allowed in ((PAGE_ORIGIN, True), (f"http://localhost:{PAGE_PORT}", False)):  # the preflight, as curl sees it
+        status, _, headers = server.request("OPTIONS", "/v1/completions", key=None, headers={"Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"})
+        assert (status == 200 and headers.get("access-control-allow-origin") == origin) if allowed else (status == 400 and "access-control-allow-origin" not in headers)
+
+
+def test_models_retrieve(server):
+    c = server.client()
+    assert c.models.retrieve("gemma3-270m").id == "gemma3-270m" and c.models.retrieve("minilm").id == "minilm"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.models.retrieve("gpt-4")
+
+
 def test_clients_gone_mid_stream_leave_no_pages_in_use(server):
     before = server.metric("qkv_generation_tokens_total")
     for i in range(20):
@@ -360,6 +420,19 @@ def test_serving_beyond_this_machine_without_a_key_is_pointed_out():
         assert exposure_note(host, "k") is None
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
         assert exposure_note(host, None) is None
+        assert exposure_note(host, None, ["http://localhost:3000"]) is None
+        assert "any web page" in exposure_note(host, None, ["*"]) and exposure_note(host, "k", ["*"]) is None
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:3000/", "localhost:3000", "http://a.test/page", "ftp://a.test", "", "http://a b"])
+def test_an_origin_no_browser_would_send_is_refused_before_anything_loads(origin):
+    from qkv.models.serving.api import check_origins
+
+    r = subprocess.run([sys.executable, "-m", "qkv", "serve", "--allow-origin", "http://ok.test:8080", "--allow-origin", origin], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--allow-origin: an allowed origin should be" in r.stderr and repr(origin) in r.stderr and "loading" not in r.stderr
+    assert check_origins(["*", "http://[::1]:8000", "https://app.example.com"]) == ("*", "http://[::1]:8000", "https://app.example.com")
+    with pytest.raises(TypeError, match="a list of origins"):
+        check_origins("http://a.test")
 
 
 def test_a_full_queue_gets_429_and_a_deadline_504():

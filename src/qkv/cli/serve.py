@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' on every request (or set {API_KEY_ENV})")
+    p.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[], help="let pages from this web origin call the server from a browser (CORS), like http://localhost:3000; repeat for more, '*' for any page (default: none)")
     p.add_argument("--max-batch", type=int, default=16, help="requests generated together at most (default 16)")
     p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429 (default 64)")
     p.add_argument("--context", type=int, default=4096, help="tokens a request may hold, prompt + max_tokens (default 4096)")
@@ -45,11 +46,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def exposure_note(host: str, key: str | None) -> str | None:
-    """What to tell someone serving beyond this machine without an API key (None: nothing to tell)."""
+def exposure_note(host: str, key: str | None, origins=()) -> str | None:
+    """What to tell someone serving beyond this machine, or to any web page, without an API key (None: nothing to tell)."""
     import ipaddress
 
-    if key is not None or host == "localhost":
+    if key is not None:
+        return None
+    if "*" in origins:
+        return "qkv: note: --allow-origin '*' without --api-key: any web page opened in a browser that can reach this port can use the model"
+    if host == "localhost":
         return None
     try:
         if ipaddress.ip_address(host).is_loopback:
@@ -63,7 +68,7 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from ..models.serving.api import Limits
+        from ..models.serving.api import Limits, check_origins
         from ..models.serving.http import config
         from ..models.serving.server import build
     except ImportError as exc:
@@ -87,6 +92,10 @@ def cmd_serve(args) -> int:
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise CLIError("--api-key is empty")
+    try:
+        origins = check_origins(args.allow_origin)
+    except ValueError as e:
+        raise CLIError(f"--allow-origin: {e}") from None
     lm = _load(args.model, "decoder")
     if lm.config.max_positions and args.context > lm.config.max_positions:
         raise CLIError(f"--context ({args.context}) is past {lm.name}'s {lm.config.max_positions} positions")
@@ -104,10 +113,10 @@ def cmd_serve(args) -> int:
     name = args.model_name or (DECODER_NAME if args.model in (None, DECODER_NAME) else os.path.basename(os.path.normpath(args.model)))
     limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_context=args.context, timeout_s=args.timeout, read_timeout_s=args.read_timeout)
     scheduler, app = build(lm, model_name=name, api_key=key, embedder=embedder, embedding_name=embedding_name, kv_tokens=args.kv_tokens, page_size=args.page_size, max_batch=args.max_batch,
-                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, int8_activations=args.int8_activations, seed=args.seed, limits=limits)  # fmt: skip
+                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, int8_activations=args.int8_activations, seed=args.seed, limits=limits, allow_origins=origins)  # fmt: skip
     scheduler.start()
     where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
-    note = exposure_note(args.host, key)
+    note = exposure_note(args.host, key, origins)
     if note:
         print(note, file=sys.stderr, flush=True)
     print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'}{'; int8 activations' if args.int8_activations else ''})", file=sys.stderr, flush=True)

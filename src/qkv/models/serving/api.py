@@ -13,6 +13,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -29,7 +30,7 @@ from starlette.routing import Route
 from .http import READ_TIMEOUT
 from .scheduler import Request
 
-__all__ = ["Limits", "create_app"]
+__all__ = ["Limits", "check_origins", "create_app"]
 
 log = logging.getLogger("qkv.serve")
 
@@ -545,11 +546,19 @@ class _Server:
             data = [{"object": "embedding", "index": i, "embedding": [float(x) for x in v]} for i, v in enumerate(vectors)]
         return JSONResponse({"object": "list", "data": data, "model": self.embedding_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
+    def _model_list(self) -> list:
+        names = [self.model_name] + ([self.embedding_name] if self.embedding_name is not None else [])
+        return [{"id": name, "object": "model", "created": self.created, "owned_by": "qkv"} for name in names]
+
     async def models(self, request: HTTPRequest) -> Response:
-        data = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "qkv"}]
-        if self.embedding_name is not None:
-            data.append({"id": self.embedding_name, "object": "model", "created": self.created, "owned_by": "qkv"})
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": self._model_list()})
+
+    async def model(self, request: HTTPRequest) -> Response:  # GET /v1/models/{model}: the openai client's models.retrieve
+        name = request.path_params["model"]
+        for m in self._model_list():
+            if m["id"] == name:
+                return JSONResponse(m)
+        raise APIError(404, f"the model {name!r} does not exist: this server has {[m['id'] for m in self._model_list()]}", param="model", code="model_not_found")
 
     async def health(self, request: HTTPRequest) -> Response:
         if self.scheduler.failed is not None:
@@ -624,11 +633,30 @@ class _Guard:
                 await error_response(500, "internal server error", kind="server_error")(scope, receive, send)
 
 
-def create_app(scheduler, lm, *, model_name: str, limits: Limits = Limits(), api_key: str | None = None, embedder=None, embedding_name: str | None = None) -> Starlette:
+_ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")
+
+
+def check_origins(origins) -> tuple:
+    """The web origins allowed to call the server from a page (CORS), checked: ``"*"`` (any page) or each
+    ``scheme://host[:port]`` exactly as a browser sends it (no path, no trailing slash: such an entry
+    would never match, and no page could call)."""
+    if isinstance(origins, str):
+        raise TypeError(f"allow_origins should be a list of origins, got the string {origins!r}")
+    out = tuple(origins)
+    for o in out:
+        if not isinstance(o, str) or not (o == "*" or _ORIGIN.fullmatch(o)):
+            raise ValueError(f"an allowed origin should be '*' or scheme://host[:port] as a browser sends it (like http://localhost:3000: no path, no trailing slash), got {o!r}")
+    return out
+
+
+def create_app(scheduler, lm, *, model_name: str, limits: Limits = Limits(), api_key: str | None = None, embedder=None, embedding_name: str | None = None, allow_origins=()) -> Starlette:
     """The ASGI app of ``qkv serve`` over a started :class:`~.scheduler.Scheduler`.
 
     ``embedder``: a callable returning the sentence encoder (called at the first embeddings request).
+    ``allow_origins``: web origins whose pages may call the server (:func:`check_origins`); none by default,
+    so a page the user happens to open cannot use a server on their machine.
     """
+    origins = check_origins(allow_origins)
     server = _Server(scheduler, lm, model_name, limits, api_key, embedder, embedding_name)
 
     async def not_found(request, exc):
@@ -642,10 +670,16 @@ def create_app(scheduler, lm, *, model_name: str, limits: Limits = Limits(), api
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/embeddings", server.embeddings, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(_Guard, server=server)], exception_handlers={404: not_found, 405: bad_method})
+    middleware = [Middleware(_Guard, server=server)]
+    if origins:  # outermost: a browser's preflight (OPTIONS, no key) is answered here, and errors carry the headers too
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"], max_age=600))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: bad_method})
     app.state.server = server
     return app
 

@@ -460,6 +460,47 @@ def test_a_full_queue_gets_429_and_a_deadline_504():
         s.stop()
 
 
+def test_a_shutdown_ends_the_requests_under_way_whole():
+    """SIGTERM: within the grace, a stream's last event says the server is shutting down (not a cut
+    transfer), a whole answer is a 503, and the server exits cleanly, logging no error."""
+    import signal
+
+    from qkv.models.serving.http import SHUTDOWN_GRACE
+
+    s = Server("--embedding-model", "none", "--log-level", "info")
+    streamed, whole, started = [], [], threading.Event()
+
+    def stream():
+        try:
+            for chunk in s.client().completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=2000, temperature=0, stream=True):
+                streamed.append(chunk.choices[0].text)
+                started.set()
+        except Exception as exc:  # noqa: BLE001 (what the client raised is the point)
+            streamed.append(exc)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=lambda: whole.append(s.request("POST", "/v1/completions", {"prompt": "Twice upon a time", "max_tokens": 2000, "temperature": 0})))]
+    try:
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        # uvicorn raises the signal again once it has shut down, so that the exit says what ended it
+        assert s.proc.wait(30) in (0, -signal.SIGTERM) and time.monotonic() - t0 < SHUTDOWN_GRACE + 5
+    finally:
+        s.stop()
+    last = streamed[-1]
+    assert isinstance(last, openai.APIError) and not isinstance(last, openai.APIConnectionError) and "shutting down" in str(last), repr(last)
+    assert len(streamed) > 2 and all(isinstance(p, str) for p in streamed[:-1])
+    status, body, headers = whole[0]
+    assert status == 503 and body["error"]["code"] == "shutting_down" and headers.get("retry-after") == "1"
+    log = "".join(s.log)
+    assert "Shutting down" in log and "ERROR" not in log and "Traceback" not in log, log
+
+
 def test_int8_activations_serve_what_qkv_generate_gives_with_them():
     s = Server("--int8-activations", "--embedding-model", "none")
     try:

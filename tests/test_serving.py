@@ -474,6 +474,18 @@ def test_warm_up_leaves_nothing_behind_and_changes_no_answer(lm):
     assert answers[0] == answers[1] and len(answers[0]) == 6
 
 
+def test_a_closed_scheduler_refuses_a_request_rather_than_keep_it_for_ever(lm):
+    from qkv.models.serving.scheduler import Closed
+
+    s = Scheduler(lm, num_pages=16, page_size=4)
+    s.start(warm_up=False)
+    events = []
+    s.close()
+    with pytest.raises(Closed, match="shutting down"):
+        s.submit(Request(prompt=[2, 3], max_tokens=2, emit=lambda k, p: events.append(k)))
+    assert not s.waiting and not events
+
+
 def test_an_engine_failure_answers_every_request_with_an_error_and_the_server_goes_on(lm, monkeypatch):
     """A step that raises (a bug) ends the requests it had with a 500 in OpenAI's shape, streamed or not;
     their pages go back, and the next request is served. (The events of a step reach the HTTP side
@@ -501,7 +513,7 @@ def test_an_engine_failure_answers_every_request_with_an_error_and_the_server_go
 
         monkeypatch.setattr(sched, "forward_step", broken)
         status, text = post(srv.port, {"prompt": "Hello", "max_tokens": 4})
-        assert status == 500 and json.loads(text)["error"]["type"] == "server_error"
+        assert status == 500 and json.loads(text)["error"]["type"] == "server_error" and json.loads(text)["error"]["code"] == "internal_error"
         status, text = post(srv.port, {"prompt": "Hello", "max_tokens": 4, "stream": True})
         assert status == 200  # the stream had begun: the error is its last event
         events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]

@@ -66,10 +66,10 @@ def exposure_note(host: str, key: str | None, origins=()) -> str | None:
 
 def cmd_serve(args) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (the serve extra's: its absence is told here, before anything loads)
 
         from ..models.serving.api import Limits, check_origins
-        from ..models.serving.http import config
+        from ..models.serving.http import config, server
         from ..models.serving.server import build
     except ImportError as exc:
         raise CLIError(f"qkv serve needs the serve extra ({exc.name} is missing): pip install 'qkv[serve]'") from None
@@ -121,7 +121,7 @@ def cmd_serve(args) -> int:
         print(note, file=sys.stderr, flush=True)
     print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'}{'; int8 activations' if args.int8_activations else ''})", file=sys.stderr, flush=True)
     try:
-        uvicorn.Server(config(app, host=args.host, port=args.port, log_level=args.log_level, read_timeout=args.read_timeout, max_connections=args.max_connections)).run()
+        server(config(app, host=args.host, port=args.port, log_level=args.log_level, read_timeout=args.read_timeout, max_connections=args.max_connections), scheduler.close).run()
     finally:
         scheduler.close()
     return 0

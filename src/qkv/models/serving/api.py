@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .http import READ_TIMEOUT
-from .scheduler import Request
+from .scheduler import Closed, Request
 
 __all__ = ["Limits", "check_origins", "create_app"]
 
@@ -47,6 +47,10 @@ class Limits:
     timeout_s: float = 600.0  # a request's deadline
     read_timeout_s: float = READ_TIMEOUT  # a request body's deadline, from its head (the head's own: serving.http)
     max_embedding_inputs: int = 256
+
+
+#: The error code of a request the engine ended, by the HTTP status it gives (the scheduler's payload).
+_ERROR_CODES = {503: "shutting_down", 504: "timeout", 500: "internal_error"}
 
 
 class APIError(Exception):
@@ -354,7 +358,13 @@ class _Server:
 
         for i in range(n):
             r = Request(prompt=list(prompt), max_tokens=max_tokens, emit=emitter(i), seed=None if seed is None else seed + i, top_logprobs=top_logprobs, deadline=deadline, **sampling)
-            if not self.scheduler.submit(r):
+            try:
+                queued = self.scheduler.submit(r)
+            except Closed:
+                for q in reqs:
+                    q.cancel()
+                raise APIError(503, "the server is shutting down", code="shutting_down", kind="server_error") from None
+            if not queued:
                 for q in reqs:
                     q.cancel()
                 raise APIError(429, f"the server is busy: {self.scheduler.max_waiting} requests are waiting; try again shortly", code="queue_full", kind="rate_limit_error", headers={"Retry-After": "1"})
@@ -456,8 +466,8 @@ class _Server:
                 finish[i], dones[i] = payload["finish_reason"], payload
             else:
                 await gen.aclose()
-                status = 504 if "deadline" in payload["message"] else 500
-                return error_response(status, payload["message"], kind="timeout_error" if status == 504 else "server_error")
+                status = payload.get("status", 500)
+                return error_response(status, payload["message"], code=_ERROR_CODES.get(status), kind="timeout_error" if status == 504 else "server_error", headers={"Retry-After": "1"} if status == 503 else None)
         created = int(time.time())
         texts = ["".join(p) for p in pieces]
         if kind == "chat.completion":
@@ -506,7 +516,7 @@ class _Server:
                     else:
                         yield chunk([{"index": i, "text": "", "logprobs": None, "finish_reason": payload["finish_reason"]}])
                 else:
-                    yield f"data: {json.dumps({'error': {'message': payload['message'], 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                    yield f"data: {json.dumps({'error': {'message': payload['message'], 'type': 'server_error', 'param': None, 'code': _ERROR_CODES.get(payload.get('status'))}})}\n\n"
                     return
             if include_usage:
                 yield chunk([], self._usage(dones))

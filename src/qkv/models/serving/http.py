@@ -21,16 +21,27 @@ So :func:`config` gives uvicorn its own h11 protocol with two bounds:
 Both are ``qkv serve`` options (``--read-timeout``, ``--max-connections``).
 Past that, a server open to the internet belongs behind a reverse proxy
 that limits each client.
+
+And a shutdown (Ctrl-C, SIGTERM) ends what is under way cleanly
+(:func:`server`): uvicorn stops accepting connections and waits
+:data:`SHUTDOWN_GRACE` seconds for the open requests, then cancels their
+tasks, which cut a stream mid-chunk (the client read a broken transfer,
+and the server logged an error). Here, a second before that, the engine is
+closed: every request still running ends with "the server is shutting
+down", a stream's last event, or a 503 for a whole answer, so each
+response is complete when uvicorn looks again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-__all__ = ["config", "READ_TIMEOUT", "MAX_CONNECTIONS"]
+__all__ = ["config", "server", "READ_TIMEOUT", "MAX_CONNECTIONS", "SHUTDOWN_GRACE"]
 
 READ_TIMEOUT = 15.0  #: seconds for a request's head (here) and for its body (``api.Limits.read_timeout_s``)
 MAX_CONNECTIONS = 512  #: open connections at most
+SHUTDOWN_GRACE = 5.0  #: seconds the requests under way may go on once a shutdown begins
 
 
 def _protocol(read_timeout: float, max_connections: int):
@@ -87,4 +98,21 @@ def config(app, *, host: str, port: int, log_level: str = "warning", read_timeou
         raise ValueError(f"read_timeout should be > 0 seconds, got {read_timeout}")
     if max_connections < 1:
         raise ValueError(f"max_connections should be >= 1, got {max_connections}")
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, http=_protocol(read_timeout, max_connections))
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE, http=_protocol(read_timeout, max_connections))
+
+
+def server(cfg, on_shutdown):
+    """A ``uvicorn.Server`` for ``cfg`` (:func:`config`) that calls ``on_shutdown()`` (on a thread: the
+    scheduler's ``close``) a second before its grace for open requests runs out, so they end whole."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(max(0.0, self.config.timeout_graceful_shutdown - 1.0), loop.run_in_executor, None, on_shutdown)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Draining(cfg)

@@ -44,7 +44,11 @@ from ..engines.text_stream import TextStream
 from .engine import Batch, forward_step, log_probabilities
 from .pages import PagePool
 
-__all__ = ["Request", "Scheduler"]
+__all__ = ["Request", "Scheduler", "Closed"]
+
+
+class Closed(RuntimeError):
+    """:meth:`Scheduler.submit` after :meth:`Scheduler.close`: nothing would ever run the request."""
 
 
 @dataclass
@@ -182,8 +186,10 @@ class Scheduler:
         return -(-n_tokens // self.page_size)
 
     def submit(self, req: Request) -> bool:
-        """Queue ``req``; False when the queue is full (nothing queued)."""
+        """Queue ``req``; False when the queue is full (nothing queued). Raises :class:`Closed` once closed."""
         with self._cv:
+            if self._stop:
+                raise Closed("the server is shutting down")
             if len(self.waiting) >= self.max_waiting:
                 return False
             req.arrived = time.monotonic()
@@ -222,27 +228,27 @@ class Scheduler:
                 except Exception as exc:  # a bug: every request gets an error, the server goes on
                     self.failed = exc
                     for req in list(self.running) + list(self.waiting):
-                        self._finish(req, error="internal error in the engine")
+                        self._finish(req, error="internal error in the engine", status=500)
                     with self._cv:
                         self.waiting.clear()
                     self.running = []
                     self._stepped()
         for req in list(self.running) + list(self.waiting):
-            self._finish(req, error="the server is shutting down")
+            self._finish(req, error="the server is shutting down", status=503)
         self._stepped()
 
     def _stepped(self) -> None:
         for f in self.after_step:
             f()
 
-    def _finish(self, req: Request, reason: str | None = None, *, error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: str | None = None, *, error: str | None = None, status: int = 500) -> None:
         if req.pages:
             self.pool.release(req.pages)
             req.pages = []
         if req in self.running:
             self.running.remove(req)
         if error is not None:
-            req.emit("error", {"message": error})
+            req.emit("error", {"message": error, "status": status})  # the HTTP status a whole answer gets
             return
         req.emit("done", {"finish_reason": reason, "prompt_tokens": len(req.prompt), "completion_tokens": len(req.new), "cached_tokens": req.cached_tokens})
 
@@ -312,13 +318,13 @@ class Scheduler:
             if req.cancelled:
                 self._finish(req, "cancelled")
             elif now > req.deadline:
-                self._finish(req, error="the request ran past its deadline")
+                self._finish(req, error="the request ran past its deadline", status=504)
         with self._cv:
             expired = [r for r in self.waiting if now > r.deadline]
             for r in expired:
                 self.waiting.remove(r)
         for r in expired:
-            r.emit("error", {"message": "the request ran past its deadline while waiting"})
+            r.emit("error", {"message": "the request ran past its deadline while waiting", "status": 504})
         self._admit()
         if not self.running:
             return

@@ -7,7 +7,7 @@ import threading
 import time
 
 from .api import Limits, check_origins, create_app
-from .http import MAX_CONNECTIONS, config
+from .http import MAX_CONNECTIONS, config, server
 from .scheduler import Scheduler
 
 __all__ = ["build", "start_server", "BackgroundServer"]
@@ -26,12 +26,10 @@ class BackgroundServer:
     """uvicorn serving ``app`` on a thread of this process; ``url`` is its ``/v1`` base. A context manager."""
 
     def __init__(self, scheduler, app, *, host: str = "127.0.0.1", port: int = 0, max_connections: int = MAX_CONNECTIONS):
-        import uvicorn
-
         self.scheduler = scheduler
         # a request's head has the time its body has (the app's limits): one setting for both, as qkv serve's --read-timeout
         read_timeout = app.state.server.limits.read_timeout_s
-        self._server = uvicorn.Server(config(app, host=host, port=port, read_timeout=read_timeout, max_connections=max_connections))
+        self._server = server(config(app, host=host, port=port, read_timeout=read_timeout, max_connections=max_connections), scheduler.close)
         self._server.install_signal_handlers = lambda: None  # not the main thread: no signal handlers
         scheduler.start()
         self._thread = threading.Thread(target=self._server.run, name="qkv-http", daemon=True)

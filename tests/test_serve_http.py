@@ -202,6 +202,9 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
     ("POST", "/v1/embeddings", {"input": "hi", "dimensions": 64}, 400, "dimensions"),
     ("POST", "/v1/embeddings", {"input": ["short", "word " * 400]}, 400, "input"),  # past MiniLM's 256 tokens: not embedded by its beginning
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, 400, "messages[0].role"),  # tools are not implemented
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "x"}]}, 400, "messages[1].role"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),  # not a prompt of ""
     ("GET", "/v1/nothing", None, 404, None),
     ("GET", "/v1/chat/completions", None, 405, None),
 ]
@@ -217,6 +220,41 @@ def test_every_bad_request_gets_its_status_and_an_openai_error(server, method, p
         assert data["error"]["param"] == param
     ok = server.request("POST", "/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 2, "temperature": 0})
     assert ok[0] == 200 and ok[1]["choices"][0]["text"]
+
+
+def test_several_prompts_in_one_completion_request_each_answer_as_alone(server):
+    """OpenAI's batch: a list of prompts (text or token ids), n choices each, in order p * n + j; each the same
+    bits as its prompt asked alone (logprobs too), the usage their sum."""
+    c = server.client()
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
+    alone = [c.completions.create(model="gemma3-270m", prompt=p, max_tokens=5, temperature=0, logprobs=2) for p in prompts]
+    both = c.completions.create(model="gemma3-270m", prompt=prompts, max_tokens=5, temperature=0, logprobs=2)
+    assert [ch.index for ch in both.choices] == [0, 1, 2]
+    for ch, one in zip(both.choices, alone):
+        assert ch.text == one.choices[0].text and ch.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and both.usage.completion_tokens == 15
+    sampled = c.completions.create(model="gemma3-270m", prompt=prompts[:2], n=2, max_tokens=6, temperature=1.0, seed=5)
+    for i, ch in enumerate(sampled.choices):  # choice p * n + j samples with seed + its index, as n alone does
+        one = c.completions.create(model="gemma3-270m", prompt=prompts[i // 2], max_tokens=6, temperature=1.0, seed=5 + i)
+        assert ch.index == i and ch.text == one.choices[0].text
+    status, data, _ = server.request("POST", "/v1/completions", {"prompt": [[2, 651, 6037], [2, 818]], "max_tokens": 3, "temperature": 0})
+    assert status == 200 and len(data["choices"]) == 2 and data["usage"]["prompt_tokens"] == 5
+    for body, param, says in (
+        ({"prompt": ["a"] * 17}, "prompt", "at most 16 prompts"),
+        ({"prompt": [[2, 651], []]}, "prompt", "prompt[1] is empty"),  # (the text "" is a prompt: its BOS)
+        ({"prompt": ["a"] * 9, "n": 8}, "n", "queues at most 64"),
+        ({"prompt": ["a", [5, 6]]}, "prompt", None),  # text and ids mixed: one or the other
+    ):
+        status, data, _ = server.request("POST", "/v1/completions", body)
+        assert status == 400 and data["error"]["param"] == param and (says is None or says in data["error"]["message"]), data
+
+
+def test_a_developer_message_is_the_system_message(server):
+    """OpenAI's newer clients send a "developer" message where older ones sent "system": the template gets "system"."""
+    c = server.client()
+    answers = [c.chat.completions.create(model="gemma3-270m", messages=[{"role": role, "content": "Answer in one word."}, {"role": "user", "content": "What colour is the sky?"}], max_tokens=6, temperature=0) for role in ("developer", "system")]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
 
 
 def test_options_that_ask_for_nothing_change_nothing_and_sampling_options_are_generates(server):

@@ -43,6 +43,7 @@ class Limits:
     max_tokens: int = 2048  # per choice
     max_context: int = 4096  # prompt + max_tokens
     max_n: int = 8
+    max_prompts: int = 16  # a completion request's prompts
     max_top_logprobs: int = 20
     timeout_s: float = 600.0  # a request's deadline
     read_timeout_s: float = READ_TIMEOUT  # a request body's deadline, from its head (the head's own: serving.http)
@@ -111,11 +112,15 @@ class _Body(_Strict):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several (OpenAI's batch: n choices each)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+
+#: The roles a chat message may have here ("developer" is given to the template as "system"; a tool's are refused).
+_ROLES = ("system", "developer", "user", "assistant")
 
 
 class _Part(BaseModel):
@@ -343,8 +348,11 @@ class _Server:
             raise APIError(400, f"the prompt ({prompt_len} tokens) and max_tokens ({asked}) exceed this server's context of {lim.max_context} tokens", param="max_tokens", code="context_length_exceeded")
         return asked
 
-    async def _run(self, request: HTTPRequest, prompt: list, n: int, max_tokens: int, sampling: dict, seed, top_logprobs):
-        """Submit the choices; yield (choice index, kind, payload) as the engine sends them; cancel on exit."""
+    async def _run(self, request: HTTPRequest, prompts: list, n: int, max_tokens: int, sampling: dict, seed, top_logprobs):
+        """Submit ``n`` choices of each prompt (choice ``p * n + j``: OpenAI's order); yield (choice index, kind,
+        payload) as the engine sends them; cancel on exit."""
+        if len(prompts) * n > self.scheduler.max_waiting:  # never queued whole: a 429 would be retried for ever
+            raise APIError(400, f"{len(prompts)} prompt(s) x n {n} = {len(prompts) * n} completions; this server queues at most {self.scheduler.max_waiting} a request", param="n")
         mailbox = self._mailbox_for(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()
         deadline = time.monotonic() + self.limits.timeout_s
@@ -356,8 +364,8 @@ class _Server:
 
             return emit
 
-        for i in range(n):
-            r = Request(prompt=list(prompt), max_tokens=max_tokens, emit=emitter(i), seed=None if seed is None else seed + i, top_logprobs=top_logprobs, deadline=deadline, **sampling)
+        for i in range(len(prompts) * n):
+            r = Request(prompt=list(prompts[i // n]), max_tokens=max_tokens, emit=emitter(i), seed=None if seed is None else seed + i, top_logprobs=top_logprobs, deadline=deadline, **sampling)
             try:
                 queued = self.scheduler.submit(r)
             except Closed:
@@ -369,7 +377,7 @@ class _Server:
                     q.cancel()
                 raise APIError(429, f"the server is busy: {self.scheduler.max_waiting} requests are waiting; try again shortly", code="queue_full", kind="rate_limit_error", headers={"Retry-After": "1"})
             reqs.append(r)
-        open_ = set(range(n))
+        open_ = set(range(len(prompts) * n))
         checked = time.monotonic()
         try:
             while open_:
@@ -399,10 +407,14 @@ class _Server:
         entry["top_logprobs"] = [{"token": (t := self._token_text(tok)), "logprob": lp, "bytes": list(t.encode("utf-8"))} for tok, lp in info.get("top", [])]
         return entry
 
-    def _usage(self, dones: dict) -> dict:
-        prompt = next(iter(dones.values()))["prompt_tokens"] if dones else 0
+    def _usage(self, dones: dict, per_prompt: int) -> dict:
+        """Choices ``p * per_prompt + j`` share prompt ``p``: its tokens count once, and its cached ones as its best choice's."""
+        groups = {}
+        for i, d in dones.items():
+            groups.setdefault(i // per_prompt, []).append(d)
+        prompt = sum(g[0]["prompt_tokens"] for g in groups.values())
         completion = sum(d["completion_tokens"] for d in dones.values())
-        cached = max((d["cached_tokens"] for d in dones.values()), default=0)
+        cached = sum(max(d["cached_tokens"] for d in g) for g in groups.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def completions(self, request: HTTPRequest) -> Response:
@@ -411,12 +423,18 @@ class _Server:
         if body.logprobs is not None and body.logprobs > 5:
             raise APIError(400, f"logprobs should be at most 5, got {body.logprobs}", param="logprobs")
         sampling = self._sampling(body)
-        try:
-            prompt = self.lm._prompt_ids(body.prompt, "prompt")
-        except (TypeError, ValueError) as exc:
-            raise APIError(400, str(exc), param="prompt") from None
-        max_tokens = self._max_tokens(body.max_tokens, len(prompt), 16)
-        return await self._respond(request, "text_completion", body, prompt, max_tokens, sampling, body.logprobs)
+        several = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(body.prompt[0], (str, list))
+        given = body.prompt if several else [body.prompt]
+        if len(given) > self.limits.max_prompts:
+            raise APIError(400, f"prompt: at most {self.limits.max_prompts} prompts a request, got {len(given)}", param="prompt")
+        prompts = []
+        for i, p in enumerate(given):
+            try:
+                prompts.append(self.lm._prompt_ids(p, f"prompt[{i}]" if several else "prompt"))
+            except (TypeError, ValueError) as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+        max_tokens = self._max_tokens(body.max_tokens, max(map(len, prompts)), 16)
+        return await self._respond(request, "text_completion", body, prompts, max_tokens, sampling, body.logprobs)
 
     async def chat(self, request: HTTPRequest) -> Response:
         body = await _read_json(request, self.limits, ChatBody)
@@ -429,12 +447,20 @@ class _Server:
         messages = []
         for i, m in enumerate(body.messages):
             _refuse_unsupported(m, f"messages[{i}].")
+            if m.role in ("tool", "function"):
+                raise APIError(400, f"messages[{i}].role {m.role!r}: a tool's answer needs tool calls, which qkv serve does not implement", param=f"messages[{i}].role")
+            if m.role not in _ROLES:
+                raise APIError(400, f"messages[{i}].role should be one of {', '.join(map(repr, _ROLES))}, got {m.role!r}", param=f"messages[{i}].role")
             content = m.content
+            if content is None and m.role != "assistant":  # (an assistant's reply echoed back may carry none)
+                raise APIError(400, f"messages[{i}].content: a {m.role} message needs content, got null", param=f"messages[{i}].content")
             if isinstance(content, list):
                 if any(p.type != "text" or p.text is None for p in content):
                     raise APIError(400, "only text content parts are supported", param="messages")
                 content = "".join(p.text for p in content)
-            messages.append({"role": m.role, "content": content or "", **({} if m.name is None else {"name": m.name})})
+            # "developer" is OpenAI's newer name for the system message: templates know "system" (llama.cpp maps it too)
+            role = "system" if m.role == "developer" else m.role
+            messages.append({"role": role, "content": content or "", **({} if m.name is None else {"name": m.name})})
         if self.lm.chat_template is None:
             raise APIError(400, f"{self.model_name} has no chat template: use /v1/completions", param="messages")
         try:
@@ -447,16 +473,17 @@ class _Server:
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._max_tokens(asked, len(prompt), self.limits.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await self._respond(request, "chat.completion", body, prompt, max_tokens, sampling, top)
+        return await self._respond(request, "chat.completion", body, [prompt], max_tokens, sampling, top)
 
-    async def _respond(self, request, kind, body, prompt, max_tokens, sampling, top) -> Response:
+    async def _respond(self, request, kind, body, prompts, max_tokens, sampling, top) -> Response:
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
-        gen = self._run(request, prompt, body.n, max_tokens, sampling, body.seed, top)
+        gen = self._run(request, prompts, body.n, max_tokens, sampling, body.seed, top)
+        n = len(prompts) * body.n  # choices
         first = await gen.__anext__()  # a 429 is raised here, before any byte of the response
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(rid, kind, gen, first, body.n, include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        pieces, logprobs, finish, dones = [[] for _ in range(body.n)], [[] for _ in range(body.n)], [None] * body.n, {}
+            return StreamingResponse(self._sse(rid, kind, gen, first, n, body.n, include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        pieces, logprobs, finish, dones = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n, {}
         async for i, ev, payload in _after(first, gen):
             if ev == "token":
                 pieces[i].append(payload["text"])  # joined once at the end (adding to a string copies it each time)
@@ -471,10 +498,10 @@ class _Server:
         created = int(time.time())
         texts = ["".join(p) for p in pieces]
         if kind == "chat.completion":
-            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": {"content": [self._chat_logprob(x) for x in logprobs[i]]} if top is not None else None, "finish_reason": finish[i]} for i in range(body.n)]
+            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": {"content": [self._chat_logprob(x) for x in logprobs[i]]} if top is not None else None, "finish_reason": finish[i]} for i in range(n)]
         else:
-            choices = [{"index": i, "text": texts[i], "logprobs": self._completion_logprobs(logprobs[i]) if top is not None else None, "finish_reason": finish[i]} for i in range(body.n)]
-        return JSONResponse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choices, "usage": self._usage(dones)})
+            choices = [{"index": i, "text": texts[i], "logprobs": self._completion_logprobs(logprobs[i]) if top is not None else None, "finish_reason": finish[i]} for i in range(n)]
+        return JSONResponse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choices, "usage": self._usage(dones, body.n)})
 
     def _completion_logprobs(self, entries) -> dict:
         tokens = [self._token_text(e["token"]) for e in entries]
@@ -484,7 +511,7 @@ class _Server:
             at += len(t)
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": [{self._token_text(t): lp for t, lp in e.get("top", [])} for e in entries], "text_offset": offsets}
 
-    async def _sse(self, rid, kind, gen, first, n, include_usage):
+    async def _sse(self, rid, kind, gen, first, n, per_prompt, include_usage):
         created = int(time.time())
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         dones = {}
@@ -519,7 +546,7 @@ class _Server:
                     yield f"data: {json.dumps({'error': {'message': payload['message'], 'type': 'server_error', 'param': None, 'code': _ERROR_CODES.get(payload.get('status'))}})}\n\n"
                     return
             if include_usage:
-                yield chunk([], self._usage(dones))
+                yield chunk([], self._usage(dones, per_prompt))
             yield "data: [DONE]\n\n"
         finally:
             await gen.aclose()  # a client gone mid-stream: its requests are cancelled, their pages freed

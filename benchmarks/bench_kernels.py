@@ -56,17 +56,17 @@ def _loop():
     from qkv.models.formats import quant_simd
 
     @njit(nogil=True)
-    def loop(raw, d, dmin, code, x, xsum, out, reps):  # every row's kernel, reps times over, as matmul_blocks runs them
+    def loop(raw, code, x, xsum, out, reps):  # every row's kernel, reps times over, as matmul_blocks runs them
         R = raw.shape[0]
         for _ in range(reps):
             if quant_simd.AVX512 and x.shape[0] >= quant_simd.PAIR_TOKENS:  # two rows at a time, half the rows apart (AVX-512)
                 for p in range(R // 2):
-                    quant_simd._pair(raw, d, dmin, code, x, xsum, p, p + R // 2, out)
+                    quant_simd._pair(raw, code, x, xsum, p, p + R // 2, out)
                 for r in range(R - R % 2, R):
-                    quant_simd._row(raw, d, dmin, code, x, xsum, r, out)
+                    quant_simd._row(raw, code, x, xsum, r, out)
             else:
                 for r in range(R):
-                    quant_simd._row(raw, d, dmin, code, x, xsum, r, out)
+                    quant_simd._row(raw, code, x, xsum, r, out)
 
     return loop
 
@@ -81,11 +81,11 @@ def in_cache(qtype: str, tokens: int, loop, rng) -> float:
     xsum = np.ascontiguousarray(x.reshape(tokens, -1, 32).sum(-1, dtype=np.float32)) if qtype in ("Q4_K", "Q5_K") else np.zeros((tokens, 0), np.float32)
     out, ref = np.zeros((tokens, 32), np.float32), np.zeros((tokens, 32), np.float32)
     code = _CODE[qtype]
-    loop(m.raw, m.d, m.dmin, code, x, xsum, out, 1)
+    loop(m.raw, code, x, xsum, out, 1)
     if qtype not in ("Q4_K", "Q5_K"):  # (the K-quants' sums of x are summed here another way)
-        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, code, x, ref)
+        quant_simd.matmul_blocks(m.raw, code, x, ref)
         assert np.array_equal(out, ref), "the timed loop computes what matmul_blocks does"
-    best = min(_timed(lambda: loop(m.raw, m.d, m.dmin, code, x, xsum, out, 60)) for _ in range(15))
+    best = min(_timed(lambda: loop(m.raw, code, x, xsum, out, 60)) for _ in range(15))
     return best / (60 * 32 * (2048 // 32) * tokens) * 1e9
 
 
@@ -103,7 +103,7 @@ def streamed(qtype: str, threads: int, rng) -> float:
 
     def run():
         for m in mats:
-            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, code, x, out)
+            quant_simd.matmul_blocks(m.raw, code, x, out)
 
     with qkv.set_num_threads(threads):
         use_numba_threads()

@@ -80,19 +80,19 @@ def test_the_plain_vector_fallback_and_avx2_give_the_vnni_bits(qtype, off, monke
         m = QuantizedMatrix(raw, qtype, (32, 512))
         x[0, :32] = np.where(np.arange(32) % 3 == 0, -1.0, 1.0)
     want = np.empty((3, 32), np.float32)
-    quant_int8.matmul_blocks_int8(m.raw, m.d, m.dmin, quants._CODE[qtype], x, want)
+    quant_int8.matmul_blocks_int8(m.raw, quants._CODE[qtype], x, want)
     for flag in off:
         monkeypatch.setattr(quant_int8, flag, False)  # read when the kernel is generated: a fresh one
     kernel = quant_int8._row_dots_int8(quants._CODE[qtype])
 
     @njit
-    def run(raw, d, dmin, x, out):
+    def run(raw, x, out):
         xq, dx, sums = quant_int8._quantize_activations(x)  # (in compiled code: the checked entry is Python)
         for r in range(raw.shape[0]):
-            kernel(raw, d, dmin, xq, dx, sums, r, out)
+            kernel(raw, xq, dx, sums, r, out)
 
     got = np.empty_like(want)
-    run(m.raw, m.d, m.dmin, x, got)
+    run(m.raw, x, got)
     np.testing.assert_array_equal(got, want)
 
 

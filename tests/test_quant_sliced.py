@@ -89,7 +89,7 @@ def test_the_products_error_is_no_larger_than_float32_blas(kind):
             x = _activations(cols, rng, kind)
             want = x.astype(np.float64) @ w.astype(np.float64).T
             got = np.empty((1, rows), np.float32)  # the kernel itself (routing is tested below)
-            quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, quants._CODE["Q4_K"], x, got)
+            quant_sliced.matmul_blocks_sliced(m.raw, quants._CODE["Q4_K"], x, got)
             scale = np.abs(want).max()
             errs.append(np.abs(got - want) / scale)
             blas.append(np.abs((x @ w.T) - want) / scale)
@@ -105,12 +105,12 @@ def test_inf_and_nan_come_out_as_the_float_kernels_give_them():
         x = rng.standard_normal((1, 512)).astype(np.float32)
         x[0, 100] = value
         got, ref = np.empty((1, 64), np.float32), np.empty((1, 64), np.float32)
-        quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, quants._CODE["Q4_K"], x, got)
-        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, quants._CODE["Q4_K"], x, ref)
+        quant_sliced.matmul_blocks_sliced(m.raw, quants._CODE["Q4_K"], x, got)
+        quant_simd.matmul_blocks(m.raw, quants._CODE["Q4_K"], x, ref)
         assert np.isnan(got).all() and np.isnan(ref).all()  # (a zero weight times inf is NaN too: the offsets)
     x = np.zeros((1, 512), np.float32)
     got = np.empty((1, 64), np.float32)
-    quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, quants._CODE["Q4_K"], x, got)
+    quant_sliced.matmul_blocks_sliced(m.raw, quants._CODE["Q4_K"], x, got)
     assert (got == 0).all()
 
 
@@ -119,7 +119,7 @@ def test_it_takes_one_token_of_q4_k_only_and_says_so():
     m = _q4k(8, 256, rng)
     out = np.empty((2, 8), np.float32)
     with pytest.raises(ValueError, match="one token of Q4_K, got 2 tokens"):
-        quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, quants._CODE["Q4_K"], rng.standard_normal((2, 256)).astype(np.float32), out)
+        quant_sliced.matmul_blocks_sliced(m.raw, quants._CODE["Q4_K"], rng.standard_normal((2, 256)).astype(np.float32), out)
 
 
 def test_the_product_is_taken_for_one_token_outside_row_invariant_and_int8_only():
@@ -130,11 +130,11 @@ def test_the_product_is_taken_for_one_token_outside_row_invariant_and_int8_only(
 
     def simd(xs):
         out = np.empty((len(xs), 48), np.float32)
-        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, code, xs, out)
+        quant_simd.matmul_blocks(m.raw, code, xs, out)
         return out
 
     sliced = np.empty((1, 48), np.float32)
-    quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, code, x[:1], sliced)
+    quant_sliced.matmul_blocks_sliced(m.raw, code, x[:1], sliced)
     assert sliced.tobytes() != simd(x[:1]).tobytes()  # the two kernels' bits differ: the checks below can tell them apart
     assert m.matmul(x[:1]).tobytes() == sliced.tobytes()  # one token: sliced
     assert m.matmul(x).tobytes() == simd(x).tobytes()  # three: quant_simd's, which shares each block's unpacking
@@ -156,10 +156,10 @@ def test_rows_taken_in_pairs_give_each_row_its_own_bits():
     x = rng.standard_normal((1, 512)).astype(np.float32)
     code = quants._CODE["Q4_K"]
     out = np.empty((1, 37), np.float32)
-    quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, code, x, out)
+    quant_sliced.matmul_blocks_sliced(m.raw, code, x, out)
     for r in range(37):
         alone = np.empty((1, 1), np.float32)
-        quant_sliced.matmul_blocks_sliced(m.raw[r : r + 1], m.d[r : r + 1], m.dmin[r : r + 1], code, x, alone)
+        quant_sliced.matmul_blocks_sliced(m.raw[r : r + 1], code, x, alone)
         assert alone.tobytes() == out[:, r].tobytes(), r
 
 
@@ -168,15 +168,15 @@ def test_a_stacked_matrix_sliced_once_gives_each_part_its_own_bits():
     columns are the bits that part gives alone, odd parts and an empty one (a step's placeholder) included."""
     rng = np.random.default_rng(7)
     parts = [_q4k(rows, 512, rng) for rows in (37, 8, 15)]
-    empty = quants._read_only(np.zeros((0, 0), np.uint8)), np.zeros((0, 0), np.float32)  # as decode_step passes them
+    empty = quants._read_only(np.zeros((0, 0), np.uint8))  # as decode_step passes it
     x = rng.standard_normal((1, 512)).astype(np.float32)
     codes = np.full(4, quants._CODE["Q4_K"], np.int64)
     assert quant_sliced.takes_all(codes, 1) and not quant_sliced.takes_all(codes, 2)
     assert not quant_sliced.takes_all(np.array([quants._CODE["Q4_K"], quants._CODE["Q6_K"]]), 1)
-    raws, ds, dmins = (tuple(getattr(m, a) for m in parts) for a in ("raw", "d", "dmin"))
+    raws = tuple(m.raw for m in parts)
     out = np.full((1, 60), np.nan, np.float32)
-    quant_sliced._matmul_parts_parallel((*raws[:2], empty[0], raws[2]), (*ds[:2], empty[1], ds[2]), (*dmins[:2], empty[1], dmins[2]), x, out)
+    quant_sliced._matmul_parts_parallel((*raws[:2], empty, raws[2]), x, out)
     alone = [np.empty((1, m.raw.shape[0]), np.float32) for m in parts]
     for m, a in zip(parts, alone):
-        quant_sliced.matmul_blocks_sliced(m.raw, m.d, m.dmin, quants._CODE["Q4_K"], x, a)
+        quant_sliced.matmul_blocks_sliced(m.raw, quants._CODE["Q4_K"], x, a)
     assert out.tobytes() == np.concatenate(alone, axis=1).tobytes()

@@ -98,12 +98,12 @@ def test_block_products_for_every_token_count_and_the_same_bits_in_any_group(qty
     for tokens in range(1, 14):  # groups of 8 (AVX-512) or 4, a group of 4 left, and 1 to 3
         x = rng.standard_normal((tokens, cols)).astype(np.float32)
         out = np.full((tokens, rows), np.nan, np.float32)
-        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[qtype], x, out)
+        quant_simd.matmul_blocks(m.raw, _CODE[qtype], x, out)
         want = x.astype(np.float64) @ w.T
         assert np.abs(out - want).max() <= float32_bound(x, w, want), tokens
         for t in range(tokens):
             alone = np.full((1, rows), np.nan, np.float32)
-            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[qtype], x[t : t + 1].copy(), alone)
+            quant_simd.matmul_blocks(m.raw, _CODE[qtype], x[t : t + 1].copy(), alone)
             assert alone.tobytes() == out[t].tobytes(), (tokens, t)
 
 
@@ -120,7 +120,7 @@ for key in given.files:
         m = QuantizedMatrix(given[key], qtype, (given[key].shape[0], x.shape[1]))
         for tokens in range(1, len(x) + 1):
             out = np.zeros((tokens, m.shape[0]), np.float32)
-            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[qtype], x[:tokens], out)
+            quant_simd.matmul_blocks(m.raw, _CODE[qtype], x[:tokens], out)
             got[f"{qtype} {tokens}"] = out
 np.savez(sys.argv[2], width=np.array(quant_simd.GROUP), **got)
 """
@@ -153,8 +153,65 @@ def test_block_products_are_the_same_bits_compiled_for_avx2_as_for_this_cpu(tmp_
         m = QuantizedMatrix(raws[f"raw_{q}"], q, (33, 512))
         for tokens in range(1, 14):
             out = np.zeros((tokens, 33), np.float32)
-            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE[q], x[:tokens], out)
+            quant_simd.matmul_blocks(m.raw, _CODE[q], x[:tokens], out)
             assert out.tobytes() == got[f"{q} {tokens}"].tobytes(), (q, tokens, quant_simd.GROUP)
+
+
+def test_every_finite_float16_scale_is_read_exactly_by_each_way_the_kernels_read_it():
+    """The kernels read each block's float16 scales from its bytes (no float32 copy is kept): the decoders with
+    integer arithmetic, the vector kernels by one conversion instruction (F16C) or by moving the bits
+    (elsewhere). All three against NumPy's conversion, for all 63,488 finite float16 values."""
+    import llvmlite.ir as ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from qkv.models.formats import quant_kernels as qk
+    from qkv.models.formats import quant_simd
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    bits = bits[np.isfinite(bits.view(np.float16))]  # (inf and NaN scales are refused when a matrix is made)
+    want = bits.view(np.float16).astype(np.float32)
+    raw = bits.view(np.uint8)  # little-endian pairs
+
+    @njit
+    def decoders(raw, out):
+        for i in range(out.shape[0]):
+            out[i] = qk._f16(raw, 2 * i)
+
+    def vector(f16c):
+        @intrinsic
+        def half_at(typingctx, raw, i):
+            def codegen(context, b, sig, args):
+                arr = context.make_array(sig.args[0])(context, b, args[0])
+                return quant_simd._half(b, arr.data, b.mul(args[1], ir.Constant(ir.IntType(64), 2)), f16c=f16c)
+
+            return types.float32(raw, i), codegen
+
+        @njit
+        def run(raw, out):
+            for i in range(out.shape[0]):
+                out[i] = half_at(raw, i)
+
+        return run
+
+    for convert in (decoders, vector(True), vector(False)):
+        got = np.empty(len(bits), np.float32)
+        convert(raw, got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [q for q in SUPPORTED])
+def test_a_nan_or_infinite_scale_anywhere_is_refused_naming_its_row(qtype):
+    per, size = BLOCKS[qtype]
+    at = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "F16": [0], "BF16": [0]}.get(qtype, [0])
+    for where in at:
+        for value in (np.inf, -np.inf, np.nan):
+            raw = random_blocks(qtype, 40, 2 * per if per > 1 else 64, np.random.default_rng(1))
+            blocks = raw.reshape(40, -1, size)
+            word = np.array([value], np.float16).view(np.uint8) if qtype != "BF16" else (np.array([value], np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+            blocks[37, -1, where : where + 2] = word
+            with pytest.raises(Exception, match=rf"w: 1 {qtype} (block scales|values) are NaN or infinite \(the first in row 37\)"):
+                QuantizedMatrix(raw, qtype, (40, raw.shape[1] // size * per), name="w")
 
 
 def test_block_products_refuse_shapes_that_do_not_agree():
@@ -166,16 +223,18 @@ def test_block_products_refuse_shapes_that_do_not_agree():
     ok_x, ok_out = np.zeros((2, 64), np.float32), np.zeros((2, 4), np.float32)
     for x, out in [(np.zeros((2, 32), np.float32), ok_out), (ok_x, np.zeros((2, 5), np.float32)), (ok_x, np.zeros((3, 4), np.float32))]:
         with pytest.raises(ValueError, match="shapes do not agree"):
-            quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], x, out)
+            quant_simd.matmul_blocks(m.raw, _CODE["Q8_0"], x, out)
     with pytest.raises(ValueError, match="x should be C-contiguous"):
-        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], np.zeros((64, 2), np.float32).T, ok_out)
+        quant_simd.matmul_blocks(m.raw, _CODE["Q8_0"], np.zeros((64, 2), np.float32).T, ok_out)
     # another dtype would compile a kernel that reads it as float32 (or fail deep in numba); a code no block type has
     with pytest.raises(TypeError, match="x should be a 2-D float32 array, got float64"):
-        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, _CODE["Q8_0"], ok_x.astype(np.float64), ok_out)
-    with pytest.raises(TypeError, match="d should be"):
-        quant_simd.matmul_blocks(m.raw, m.d.astype(np.float16), m.dmin, _CODE["Q8_0"], ok_x, ok_out)
+        quant_simd.matmul_blocks(m.raw, _CODE["Q8_0"], ok_x.astype(np.float64), ok_out)
+    with pytest.raises(TypeError, match="raw should be"):
+        quant_simd.matmul_blocks(m.raw.view(np.int8), _CODE["Q8_0"], ok_x, ok_out)
+    with pytest.raises(ValueError, match="shapes do not agree"):  # rows that are not whole blocks
+        quant_simd.matmul_blocks(m.raw[:, :-2], _CODE["Q8_0"], ok_x, ok_out)
     with pytest.raises(ValueError, match="code should be"):
-        quant_simd.matmul_blocks(m.raw, m.d, m.dmin, 99, ok_x, ok_out)
+        quant_simd.matmul_blocks(m.raw, 99, ok_x, ok_out)
 
 
 def test_decoders_and_float_products_refuse_what_their_kernels_would_misread():
@@ -187,14 +246,14 @@ def test_decoders_and_float_products_refuse_what_their_kernels_would_misread():
     assert {SUPPORTED[code]: size for code, size in qk._SIZES.items()} == {t: BLOCKS[t] for t in SUPPORTED if t not in ("F16", "BF16")}  # its copy of the block sizes
     m = QuantizedMatrix(random_blocks("Q4_K", 4, 256, np.random.default_rng(0)), "Q4_K", (4, 256))
     ok = np.zeros((4, 256), np.float32)
-    qk.dequantize_into(m.raw, m.d, m.dmin, _CODE["Q4_K"], ok)
+    qk.dequantize_into(m.raw, _CODE["Q4_K"], ok)
     assert np.array_equal(ok, m.dequantize())
     cases = [
-        (lambda: qk.dequantize_into(m.raw, m.d, m.dmin, _CODE["Q4_K"], np.zeros((4, 255), np.float32)), ValueError, "out shape"),
-        (lambda: qk.dequantize_into(m.raw, m.d, m.dmin, _CODE["Q4_K"], np.zeros((5, 256), np.float32)), ValueError, "out shape"),
-        (lambda: qk.dequantize_into(m.raw[:, :-1], m.d, m.dmin, _CODE["Q4_K"], ok), ValueError, "raw shape"),
-        (lambda: qk.dequantize_into(m.raw, m.d, m.dmin[:, :0], _CODE["Q4_K"], ok), ValueError, "dmin shape"),
-        (lambda: qk.dequantize_into(m.raw, m.d.astype(np.float64), m.dmin, _CODE["Q4_K"], ok), TypeError, "d should be"),
+        (lambda: qk.dequantize_into(m.raw, _CODE["Q4_K"], np.zeros((4, 255), np.float32)), ValueError, "out shape"),
+        (lambda: qk.dequantize_into(m.raw, _CODE["Q4_K"], np.zeros((5, 256), np.float32)), ValueError, "out shape"),
+        (lambda: qk.dequantize_into(m.raw[:, :-1], _CODE["Q4_K"], ok), ValueError, "whole blocks of 144 bytes"),
+        (lambda: qk.dequantize_into(m.raw[:, :-144], _CODE["Q4_K"], ok), ValueError, "out shape"),
+        (lambda: qk.dequantize_into(m.raw.view(np.int8), _CODE["Q4_K"], ok), TypeError, "raw should be"),
         (lambda: qk.matmul_f32(ok, np.zeros((2, 255), np.float32), np.zeros((2, 4), np.float32)), ValueError, "x shape"),
         (lambda: qk.matmul_f32(ok, np.zeros((2, 256), np.float32), np.zeros((2, 3), np.float32)), ValueError, "out shape"),
         (lambda: qk.matmul_lut(np.zeros((4, 8), np.uint16), qk.F16_TABLE[:10], np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32)), ValueError, "table shape"),

@@ -67,14 +67,11 @@ _BLOCK_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")  # what quant_si
 #: its own: numba compiles a call once for each tuple length it sees, and each compile of these calls is seconds.
 _PARTS = 3
 _NO_RAW = quants._read_only(np.zeros((0, 0), np.uint8))  # an absent part: no rows (typed as the others are)
-_NO_SCALES = np.zeros((0, 0), np.float32)
 
 
 @dataclass
-class _Matrix:  # a weight's parts as the compiled calls take them: tuples of (R_p, bytes), (R_p, nb), (R_p, nb or 0), and codes
+class _Matrix:  # a weight's parts as the compiled calls take them: a tuple of (R_p, bytes), and their codes
     raws: tuple
-    ds: tuple
-    dmins: tuple
     codes: np.ndarray
     source: object  # the weight itself: a plan is stale once a layer holds another
 
@@ -85,8 +82,8 @@ class _Matrix:  # a weight's parts as the compiled calls take them: tuples of (R
             return None
         n = _PARTS - len(parts)
         codes = [quants._CODE[p.qtype] for p in parts]
-        raws, ds, dmins = [p.raw for p in parts] + [_NO_RAW] * n, [p.d for p in parts] + [_NO_SCALES] * n, [p.dmin for p in parts] + [_NO_SCALES] * n
-        return cls(tuple(raws), tuple(ds), tuple(dmins), np.array(codes + codes[-1:] * n, np.int64), w)
+        raws = [p.raw for p in parts] + [_NO_RAW] * n
+        return cls(tuple(raws), np.array(codes + codes[-1:] * n, np.int64), w)
 
 
 @dataclass
@@ -220,7 +217,7 @@ def _angles(rope_at, base):  # RoPE's cos and sin of a base, (L, D/2) or (B, 1, 
 
 
 def _args(m: _Matrix):
-    return m.raws, m.ds, m.dmins, m.codes
+    return m.raws, m.codes
 
 
 # ------------------------------------------------------------ the compiled calls
@@ -232,32 +229,32 @@ def _args(m: _Matrix):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _part(raw, d, dmin, code, x, out, int8, sliced):  # one part, as QuantizedMatrix._direct multiplies it
+def _part(raw, code, x, out, int8, sliced):  # one part, as QuantizedMatrix._direct multiplies it
     if int8 is None:  # decided when compiling (see block)
         if sliced is None:
-            quant_simd._matmul_parallel(raw, d, dmin, code, x, out)
+            quant_simd._matmul_parallel(raw, code, x, out)
         elif quant_sliced.takes(code, x.shape[0]):
-            quant_sliced._matmul_parallel(raw, d, dmin, code, x, out)
+            quant_sliced._matmul_parallel(raw, code, x, out)
         else:
-            quant_simd._matmul_parallel(raw, d, dmin, code, x, out)
+            quant_simd._matmul_parallel(raw, code, x, out)
     else:
-        quant_int8._matmul_parallel(raw, d, dmin, code, x, out)
+        quant_int8._matmul_parallel(raw, code, x, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _product(raws, ds, dmins, codes, x, out, int8, sliced):  # (T, in) f32 -> out (T, sum R_p): each part as quants.matmul multiplies it
+def _product(raws, codes, x, out, int8, sliced):  # (T, in) f32 -> out (T, sum R_p): each part as quants.matmul multiplies it
     if raws[0].shape[0] == out.shape[1]:  # one part (the others empty)
-        _part(raws[0], ds[0], dmins[0], codes[0], x, out, int8, sliced)
+        _part(raws[0], codes[0], x, out, int8, sliced)
         return
     if int8 is None and sliced is not None and quant_sliced.takes_all(codes, x.shape[0]):  # x sliced once for all the parts
-        quant_sliced._matmul_parts_parallel(raws, ds, dmins, x, out)
+        quant_sliced._matmul_parts_parallel(raws, x, out)
         return
     c0 = 0
     for j in range(len(raws)):
         if raws[j].shape[0] == 0:
             continue
         part = np.empty((x.shape[0], raws[j].shape[0]), np.float32)
-        _part(raws[j], ds[j], dmins[j], codes[j], x, part, int8, sliced)
+        _part(raws[j], codes[j], x, part, int8, sliced)
         for t in range(x.shape[0]):  # a loop, not a slice assignment: that compiles numba's shape-mismatch message (5 s)
             for c in range(part.shape[1]):
                 out[t, c0 + c] = part[t, c]
@@ -265,12 +262,12 @@ def _product(raws, ds, dmins, codes, x, out, int8, sliced):  # (T, in) f32 -> ou
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8, sliced):  # (B, 1, E) -> q (B, Hq, 1, D), k, v (B, Hk, 1, D)
+def _attention_in(h, norm, eps, raws, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8, sliced):  # (B, 1, E) -> q (B, Hq, 1, D), k, v (B, Hk, 1, D)
     B, E = h.shape[0], h.shape[2]
     a = np.empty((B, 1, E), np.float32)
     _rms_norm_rows(h, norm, eps, a)
     qkv = np.empty((B, (Hq + 2 * Hk) * D), np.float32)
-    _product(raws, ds, dmins, codes, a.reshape(B, E), qkv, int8, sliced)
+    _product(raws, codes, a.reshape(B, E), qkv, int8, sliced)
     q = np.empty((B, Hq, D), np.float32)  # (B, L=1, H, D) merged to (B, H, D), as rms_norm_ merges it
     k = np.empty((B, Hk, D), np.float32)
     v = np.empty((B, Hk, 1, D), np.float32)
@@ -292,10 +289,10 @@ def _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin
 
 @njit(cache=True, nogil=True)
 def _cached_layer(h, cos, sin, kbuf, vbuf, at, first, last, keep, window, scale, softcap, sinks, parts, Hq, Hk, D, eps, int8, sliced,
-                  norm, raws, ds, dmins, codes, q_norm, k_norm, out_raws, out_ds, out_dmins, out_codes, post_norm, mlp_norm,
-                  up_raws, up_ds, up_dmins, up_codes, act, F, down_raws, down_ds, down_dmins, down_codes, post_mlp_norm):  # (B, 1, E) updated in place; (B, Hk, cap, D) buffers written at `at`  # fmt: skip
+                  norm, raws, codes, q_norm, k_norm, out_raws, out_codes, post_norm, mlp_norm,
+                  up_raws, up_codes, act, F, down_raws, down_codes, post_mlp_norm):  # (B, 1, E) updated in place; (B, Hk, cap, D) buffers written at `at`  # fmt: skip
     B = h.shape[0]
-    q, k, v = _attention_in(h, norm, eps, raws, ds, dmins, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8, sliced)
+    q, k, v = _attention_in(h, norm, eps, raws, codes, q_norm, k_norm, cos, sin, Hq, Hk, D, int8, sliced)
     for b in range(B):  # the cache's append
         for j in range(Hk):
             for d in range(D):
@@ -306,36 +303,36 @@ def _cached_layer(h, cos, sin, kbuf, vbuf, at, first, last, keep, window, scale,
         attend_one_parallel(q.reshape(B, Hq, D), kbuf, vbuf, first, last, keep, window, scale, softcap, sinks, parts, o)
     else:
         attend_one_serial(q.reshape(B, Hq, D), kbuf, vbuf, first, last, keep, window, scale, softcap, sinks, 1, o)
-    _after_attention(o.reshape(B, Hq * D), h, out_raws, out_ds, out_dmins, out_codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, act, F,
-                     down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8, sliced)  # fmt: skip
+    _after_attention(o.reshape(B, Hq * D), h, out_raws, out_codes, post_norm, mlp_norm, up_raws, up_codes, act, F,
+                     down_raws, down_codes, post_mlp_norm, eps, int8, sliced)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _after_attention(o, h, raws, ds, dmins, codes, post_norm, mlp_norm, up_raws, up_ds, up_dmins, up_codes, act, F,
-                     down_raws, down_ds, down_dmins, down_codes, post_mlp_norm, eps, int8, sliced):  # (B, Hq D), (B, 1, E) updated in place  # fmt: skip
+def _after_attention(o, h, raws, codes, post_norm, mlp_norm, up_raws, up_codes, act, F,
+                     down_raws, down_codes, post_mlp_norm, eps, int8, sliced):  # (B, Hq D), (B, 1, E) updated in place  # fmt: skip
     B, E = h.shape[0], h.shape[2]
-    _add_product(h, raws, ds, dmins, codes, o, post_norm, eps, int8, sliced)  # h += norm(o W_out)
+    _add_product(h, raws, codes, o, post_norm, eps, int8, sliced)  # h += norm(o W_out)
     m = np.empty((B, 1, E), np.float32)
     _rms_norm_rows(h, mlp_norm, eps, m)
     width = 0
     for j in range(len(up_raws)):
         width += up_raws[j].shape[0]
     u = np.empty((B, width), np.float32)
-    _product(up_raws, up_ds, up_dmins, up_codes, m.reshape(B, E), u, int8, sliced)
+    _product(up_raws, up_codes, m.reshape(B, E), u, int8, sliced)
     if F:  # gated: act(gate) * up, as _block (gated_activation: the same compiled pass)
         g = np.empty((B, F), np.float32)
         _gated(u, F, act, g)
     else:
         _activation(u, act)
         g = u
-    _add_product(h, down_raws, down_ds, down_dmins, down_codes, g, post_mlp_norm, eps, int8, sliced)  # h += norm(g W_down)
+    _add_product(h, down_raws, down_codes, g, post_mlp_norm, eps, int8, sliced)  # h += norm(g W_down)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _add_product(h, raws, ds, dmins, codes, x, post_norm, eps, int8, sliced):  # (B, 1, E) += the product of x (B, in), normed where post_norm
+def _add_product(h, raws, codes, x, post_norm, eps, int8, sliced):  # (B, 1, E) += the product of x (B, in), normed where post_norm
     B, E = h.shape[0], h.shape[2]
     y = np.empty((B, 1, E), np.float32)
-    _product(raws, ds, dmins, codes, x, y.reshape(B, E), int8, sliced)
+    _product(raws, codes, x, y.reshape(B, E), int8, sliced)
     if post_norm.size:
         z = np.empty((B, 1, E), np.float32)
         _rms_norm_rows(y, post_norm, eps, z)

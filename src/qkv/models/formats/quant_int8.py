@@ -43,7 +43,7 @@ from numba.extending import intrinsic
 from ..._checks import check_array
 from ..._numba_cache import install as _install_cache
 
-from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch_block, _splat, _target_has, _V8F, _V8I, _vec
+from .quant_simd import _INTS, _check_shapes, _F32, _I32, _Q4_K, _Q5_K, _bytes, _c, _fma, _groups, _hsum, _prefetch_block, _scales, _splat, _target_has, _V8F, _V8I, _vec
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
@@ -86,19 +86,18 @@ CHAINS = 2
 
 
 def _row_dots_int8(code: int):
-    """An intrinsic ``(raw, d, dmin, xq, dx, xs, r, out) -> None``: out[t, r] <- row r . (dx[t] * xq[t])."""
+    """An intrinsic ``(raw, xq, dx, xs, r, out) -> None``: out[t, r] <- row r . (dx[t] * xq[t])."""
     ints_of, size = _INTS[code]
     k_quant = code in (_Q4_K, _Q5_K)
 
     @intrinsic
-    def dots(typingctx, raw, d, dmin, xq, dx, xs, r, out):
+    def dots(typingctx, raw, xq, dx, xs, r, out):
         def codegen(context, b, sig, args):
-            ra, da, ma, xa, sa, ua, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 5, 7))
-            r = args[6]
-            n_blocks, n_in, n_runs, n_out = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(sa.shape, 1), b.extract_value(oa.shape, 1)
-            row = b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))])
-            d_row = b.gep(da.data, [b.mul(r, n_blocks)])
-            m_row = b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))])
+            ra, xa, sa, ua, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 5))
+            r = args[4]
+            n_bytes, n_in, n_runs, n_out = b.extract_value(ra.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(sa.shape, 1), b.extract_value(oa.shape, 1)
+            n_blocks = b.udiv(n_bytes, _c(size))
+            row = b.gep(ra.data, [b.mul(r, n_bytes)])
 
             def tokens(t0, group):  # tokens t0 .. t0 + group - 1, sharing each block's unpacking
                 ts = [b.add(t0, _c(g)) for g in range(group)]
@@ -121,9 +120,7 @@ def _row_dots_int8(code: int):
                     blk = loop.index
                     at = b.mul(blk, _c(size))
                     _prefetch_block(b, row, at, size)
-                    dd = b.load(b.gep(d_row, [blk]))
-                    dm = b.load(b.gep(m_row, [blk])) if k_quant else None
-                    runs = ints_of(b, row, blk, at, dd, dm)
+                    runs = ints_of(b, row, blk, at, *_scales(b, code, row, at))
                     scaled = []  # K-quants: each token's 8 run scales times its 8 activation steps, at once
                     if k_quant:
                         scales8, mins8 = runs[0].factors8
@@ -152,7 +149,7 @@ def _row_dots_int8(code: int):
             _groups(b, b.extract_value(xa.shape, 0), tokens, 4)  # (groups of 4 measured; 8 not tried)
             return context.get_dummy_value()
 
-        return types.none(raw, d, dmin, xq, dx, xs, r, out), codegen
+        return types.none(raw, xq, dx, xs, r, out), codegen
 
     return dots
 
@@ -162,19 +159,19 @@ _d8, _d40, _d50, _d4k, _d5k, _d6k = (_row_dots_int8(c) for c in (_Q8_0, _Q4_0, _
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row(raw, d, dmin, code, xq, dx, xs, r, out):
+def _row(raw, code, xq, dx, xs, r, out):
     if code == _Q8_0:
-        _d8(raw, d, dmin, xq, dx, xs, r, out)
+        _d8(raw, xq, dx, xs, r, out)
     elif code == _Q4_0:
-        _d40(raw, d, dmin, xq, dx, xs, r, out)
+        _d40(raw, xq, dx, xs, r, out)
     elif code == _Q5_0:
-        _d50(raw, d, dmin, xq, dx, xs, r, out)
+        _d50(raw, xq, dx, xs, r, out)
     elif code == _Q4_K:
-        _d4k(raw, d, dmin, xq, dx, xs, r, out)
+        _d4k(raw, xq, dx, xs, r, out)
     elif code == _Q5_K:
-        _d5k(raw, d, dmin, xq, dx, xs, r, out)
+        _d5k(raw, xq, dx, xs, r, out)
     else:
-        _d6k(raw, d, dmin, xq, dx, xs, r, out)
+        _d6k(raw, xq, dx, xs, r, out)
 
 
 def quantize_activations(x):  # (T, N) f32 -> xq (T, N) i8, dx (T, N/32) f32, sums (T, N/32) f32
@@ -214,13 +211,13 @@ def _quantize_activations(x):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmul_parallel(raw, d, dmin, code, x, out):
+def _matmul_parallel(raw, code, x, out):
     xq, dx, sums = _quantize_activations(x)
     for r in prange(raw.shape[0]):
-        _row(raw, d, dmin, code, xq, dx, sums, r, out)
+        _row(raw, code, xq, dx, sums, r, out)
 
 
-def matmul_blocks_int8(raw, d, dmin, code, x, out):  # as quant_simd.matmul_blocks
+def matmul_blocks_int8(raw, code, x, out):  # as quant_simd.matmul_blocks
     """out[t, r] <- row r's values . x[t] with x rounded to int8 per block of 32 (rows in parallel on numba's threads)."""
-    _check_shapes(raw, d, dmin, code, x, out)
-    _matmul_parallel(raw, d, dmin, code, x, out)
+    _check_shapes(raw, code, x, out)
+    _matmul_parallel(raw, code, x, out)

@@ -2,7 +2,7 @@
 
 - decoders (``dequantize_into``): each value with the same float32 operations,
   in the same order, as ``gguf.quants.dequantize`` (the scales ``d`` and
-  ``dmin`` come in as float32, converted exactly from float16 by NumPy), so
+  ``dmin`` read from each block's float16 bits, exactly: :func:`_f16`), so
   the values are bit for bit the reference's. No ``fastmath``: a fused
   multiply-add would round once where the reference rounds twice. The
   loops are elementwise, which LLVM vectorises anyway. They run over rows in
@@ -15,6 +15,8 @@ The products on blocks (a few tokens: decode steps, a server's batch) are in
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import njit, prange
@@ -32,6 +34,14 @@ BF16_TABLE = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32).copy()
 
 _F16, _BF16, _Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = range(8)  # quants._CODE's order
 _FAST = {"reassoc", "contract", "nsz", "arcp"}  # the products' sums: reordered and fused, as a BLAS does
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _f16(row, o):  # the little-endian float16 at row[o], row[o + 1] -> float32, exact (finite values: checked at load)
+    h = np.int64(row[o]) | (np.int64(row[o + 1]) << 8)
+    e, m = (h >> 10) & 0x1F, h & 0x3FF
+    v = math.ldexp(float(m), -24) if e == 0 else math.ldexp(float(m + 1024), e - 25)  # subnormal, normal
+    return np.float32(-v if h & 0x8000 else v)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -94,19 +104,20 @@ def _q6_k_scales(sc, so, part, db):  # the four sub-block factors of a Q6_K half
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dq_q8_0(raw, d, dmin, r, dst):  # row r -> dst (in,)
-    q = raw[r].view(np.int8)
-    for b in range(d.shape[1]):
-        db, o = d[r, b], 34 * b + 2
+def _dq_q8_0(raw, r, dst):  # row r -> dst (in,)
+    row = raw[r]
+    q = row.view(np.int8)
+    for b in range(raw.shape[1] // 34):
+        db, o = _f16(row, 34 * b), 34 * b + 2
         for j in range(32):
             dst[32 * b + j] = np.float32(q[o + j]) * db
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dq_q4_0(raw, d, dmin, r, dst):  # row r -> dst (in,)
+def _dq_q4_0(raw, r, dst):  # row r -> dst (in,)
     row = raw[r]
-    for b in range(d.shape[1]):
-        db, o = d[r, b], 18 * b + 2
+    for b in range(raw.shape[1] // 18):
+        db, o = _f16(row, 18 * b), 18 * b + 2
         for j in range(16):
             lo, hi = _q4_0(np.int32(row[o + j]))
             dst[32 * b + j] = db * np.float32(lo)
@@ -114,10 +125,10 @@ def _dq_q4_0(raw, d, dmin, r, dst):  # row r -> dst (in,)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dq_q5_0(raw, d, dmin, r, dst):  # row r -> dst (in,)
+def _dq_q5_0(raw, r, dst):  # row r -> dst (in,)
     row = raw[r]
-    for b in range(d.shape[1]):
-        db, o = d[r, b], 22 * b
+    for b in range(raw.shape[1] // 22):
+        db, o = _f16(row, 22 * b), 22 * b
         qh = _q5_0_high(row, o)
         for j in range(16):
             lo, hi = _q5_0(np.int32(row[o + 6 + j]), qh, j)
@@ -126,12 +137,13 @@ def _dq_q5_0(raw, d, dmin, r, dst):  # row r -> dst (in,)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dq_q4_k(raw, d, dmin, r, dst):  # row r -> dst (in,)
+def _dq_q4_k(raw, r, dst):  # row r -> dst (in,)
     row = raw[r]
-    for b in range(d.shape[1]):
+    for b in range(raw.shape[1] // 144):
         o = 144 * b
+        db, mb = _f16(row, o), _f16(row, o + 2)
         for g in range(4):
-            d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
+            d0, n0, d1, n1 = _k_pair(row, o, g, db, mb)
             at, xa = o + 16 + 32 * g, 256 * b + 64 * g
             for j in range(32):
                 v = np.int32(row[at + j])
@@ -140,12 +152,13 @@ def _dq_q4_k(raw, d, dmin, r, dst):  # row r -> dst (in,)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dq_q5_k(raw, d, dmin, r, dst):  # row r -> dst (in,)
+def _dq_q5_k(raw, r, dst):  # row r -> dst (in,)
     row = raw[r]
-    for b in range(d.shape[1]):
+    for b in range(raw.shape[1] // 176):
         o = 176 * b
+        db, mb = _f16(row, o), _f16(row, o + 2)
         for g in range(4):
-            d0, n0, d1, n1 = _k_pair(row, o, g, d[r, b], dmin[r, b])
+            d0, n0, d1, n1 = _k_pair(row, o, g, db, mb)
             at, xa = o + 48 + 32 * g, 256 * b + 64 * g
             for j in range(32):
                 lo, hi = _q5_k(np.int32(row[at + j]), np.int32(row[o + 16 + j]) >> (2 * g))
@@ -154,15 +167,16 @@ def _dq_q5_k(raw, d, dmin, r, dst):  # row r -> dst (in,)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dq_q6_k(raw, d, dmin, r, dst):  # row r -> dst (in,)
+def _dq_q6_k(raw, r, dst):  # row r -> dst (in,)
     row = raw[r]
     sc = row.view(np.int8)
-    for b in range(d.shape[1]):
+    for b in range(raw.shape[1] // 210):
         o = 210 * b
+        db = _f16(row, o + 208)
         for half in range(2):
             lo_at, hi_at, xa, so = o + 64 * half, o + 128 + 32 * half, 256 * b + 128 * half, o + 192 + 8 * half
             for part in range(2):
-                s0, s1, s2, s3 = _q6_k_scales(sc, so, part, d[r, b])
+                s0, s1, s2, s3 = _q6_k_scales(sc, so, part, db)
                 for jj in range(16):
                     j = 16 * part + jj
                     q0, q1, q2, q3 = _q6_k(np.int32(row[lo_at + j]), np.int32(row[lo_at + 32 + j]), np.int32(row[hi_at + j]))
@@ -173,24 +187,24 @@ def _dq_q6_k(raw, d, dmin, r, dst):  # row r -> dst (in,)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dq_row(raw, d, dmin, code, r, dst):  # row r of any block type -> dst (in,)
+def _dq_row(raw, code, r, dst):  # row r of any block type -> dst (in,)
     if code == _Q8_0:
-        _dq_q8_0(raw, d, dmin, r, dst)
+        _dq_q8_0(raw, r, dst)
     elif code == _Q4_0:
-        _dq_q4_0(raw, d, dmin, r, dst)
+        _dq_q4_0(raw, r, dst)
     elif code == _Q5_0:
-        _dq_q5_0(raw, d, dmin, r, dst)
+        _dq_q5_0(raw, r, dst)
     elif code == _Q4_K:
-        _dq_q4_k(raw, d, dmin, r, dst)
+        _dq_q4_k(raw, r, dst)
     elif code == _Q5_K:
-        _dq_q5_k(raw, d, dmin, r, dst)
+        _dq_q5_k(raw, r, dst)
     else:
-        _dq_q6_k(raw, d, dmin, r, dst)
+        _dq_q6_k(raw, r, dst)
 
 
-def _dequantize(raw, d, dmin, code, out):  # the rows, each by its type's decoder
+def _dequantize(raw, code, out):  # the rows, each by its type's decoder
     for r in prange(raw.shape[0]):
-        _dq_row(raw, d, dmin, code, r, out[r])
+        _dq_row(raw, code, r, out[r])
 
 
 # Compiled twice: over rows in parallel (numba's threads), and on the calling thread (for the
@@ -205,17 +219,17 @@ _BLOCK_CODES = (_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K)
 _SIZES = {_Q8_0: (32, 34), _Q4_0: (32, 18), _Q5_0: (32, 22), _Q4_K: (256, 144), _Q5_K: (256, 176), _Q6_K: (256, 210)}
 
 
-def dequantize_into(raw, d, dmin, code, out, *, parallel: bool = True):  # (R, row bytes) uint8, (R, nb) f32, (R, nb or 0) f32, int, (R, in) f32
+def dequantize_into(raw, code, out, *, parallel: bool = True):  # (R, row bytes) uint8, int, (R, in) f32
     """out <- every row's values, bit for bit ``gguf.quants.dequantize``'s (the block types; F16/BF16 use the tables)."""
     if code not in _BLOCK_CODES:
         raise ValueError(f"no decoder for type code {code}")
     per, size = _SIZES[code]
-    check_array(d, "d", np.float32, (None, None))
-    R, nb = d.shape
-    check_array(raw, "raw", np.uint8, (R, nb * size))
-    check_array(dmin, "dmin", np.float32, (R, nb) if code in (_Q4_K, _Q5_K) else (None, None))
-    check_array(out, "out", np.float32, (R, nb * per))
-    _DEQUANTIZE[0 if parallel else 1](raw, d, dmin, code, out)
+    check_array(raw, "raw", np.uint8, (None, None))
+    R, n_bytes = raw.shape
+    if n_bytes % size:
+        raise ValueError(f"raw rows should be whole blocks of {size} bytes, got {n_bytes} bytes a row")
+    check_array(out, "out", np.float32, (R, n_bytes // size * per))
+    _DEQUANTIZE[0 if parallel else 1](raw, code, out)
 
 
 # ------------------------------------------------------------ float32 weights, row-invariant

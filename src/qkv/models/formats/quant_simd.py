@@ -179,6 +179,31 @@ def _prefetch_block(b, row, at, size):  # ask for the block's bytes PREFETCH ahe
         _prefetch(b, b.gep(row, [b.add(at, _c(PREFETCH + line))]))
 
 
+#: Whether the CPU converts float16 to float32 itself (x86's F16C: every CPU with AVX2 has it).
+F16C = _target_has("f16c")
+
+
+def _half(b, row, at, f16c=None):  # the float16 at row + at (i8*) -> float, exact for every finite one
+    """One conversion instruction with F16C; elsewhere (where LLVM would call a library function for it) by
+    integer operations: the sign, then the exponent and mantissa moved to float32's places and multiplied by
+    2^112 (the two formats' exponent biases apart), exact for normal and subnormal values alike. The
+    blocks' scales are checked finite when a matrix is made (``qkv.models.formats.quants._check_scales``)."""
+    if F16C if f16c is None else f16c:
+        return b.fpext(b.load(b.bitcast(b.gep(row, [at]), ir.HalfType().as_pointer()), align=1), _F32)
+    h = b.zext(b.load(b.bitcast(b.gep(row, [at]), ir.IntType(16).as_pointer()), align=1), _I32)
+    magnitude = b.fmul(b.bitcast(b.shl(b.and_(h, _c(0x7FFF, _I32)), _c(13, _I32)), _F32), ir.Constant(_F32, 2.0**112))
+    return b.bitcast(b.or_(b.bitcast(magnitude, _I32), b.shl(b.and_(h, _c(0x8000, _I32)), _c(16, _I32))), _F32)
+
+
+#: Where each block type keeps its float16 scales: the byte of d, and of dmin (K-quants with offsets).
+_SCALE_AT = {_Q8_0: (0, None), _Q4_0: (0, None), _Q5_0: (0, None), _Q4_K: (0, 2), _Q5_K: (0, 2), _Q6_K: (208, None)}
+
+
+def _scales(b, code, row, at):  # block at `at` of a row -> its (d, dmin or None) as floats, from its own bytes
+    d_at, m_at = _SCALE_AT[code]
+    return _half(b, row, b.add(at, _c(d_at))), None if m_at is None else _half(b, row, b.add(at, _c(m_at)))
+
+
 def _hsum(b, v):  # the lanes added in halves (a fixed tree)
     n = v.type.count
     while n > 1:
@@ -195,9 +220,10 @@ def _to_f32(b, q):  # <32 x i8> or <32 x i32> (signed) -> <32 x float>, exact
 # ------------------------------------------------------------ each block type: block -> runs of 32 values
 #
 # Arguments: the IR builder, the row's first byte (i8*), block b (i64), its byte offset `at`, and the
-# block's scales d, dmin (float). ``_ints_<type>`` returns the block's runs as integers (:class:`_Ints`):
-# what :mod:`quant_int8` multiplies by int8 activations; ``_runs_of`` turns them into the float runs
-# these kernels multiply: [(offset of the run's first value in the row, <32 x float> or _Factored)].
+# block's scales d, dmin (float: :func:`_scales`, from the block's own bytes). ``_ints_<type>`` returns
+# the block's runs as integers (:class:`_Ints`): what :mod:`quant_int8` multiplies by int8 activations;
+# ``_runs_of`` turns them into the float runs these kernels multiply: [(offset of the run's first value
+# in the row, <32 x float> or _Factored)].
 
 
 class _Ints:
@@ -449,20 +475,19 @@ _OFFSETS8 = (_Q4_K,)
 
 
 def _row_dots(code: int, rows: int = 1):
-    """An intrinsic ``(raw, d, dmin, x, xsum, r, out) -> None`` (one row) or ``(raw, d, dmin, x, xsum, r, r2,
-    out) -> None`` (two: :data:`PAIR_TOKENS`): out[t, r'] <- row r' . x[t] for the row(s) r' and every token t,
+    """An intrinsic ``(raw, x, xsum, r, out) -> None`` (one row) or ``(raw, x, xsum, r, r2, out) -> None``
+    (two: :data:`PAIR_TOKENS`): out[t, r'] <- row r' . x[t] for the row(s) r' and every token t,
     GROUP tokens at a time (one unpacking of each block for them), then the rest (:func:`_groups`); two rows
     share each load of a token's activations."""
     runs_of, size = _RUNS[code]
 
     def codegen(context, b, sig, args):
-        ra, da, ma, xa, sa, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, len(args) - 1))
+        ra, xa, sa, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, len(args) - 1))
         n_runs = b.extract_value(sa.shape, 1)
-        n_blocks, n_in, n_out = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(oa.shape, 1)
-        rs = list(args[5 : 5 + rows])
-        row_of = [b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))]) for r in rs]
-        d_of = [b.gep(da.data, [b.mul(r, n_blocks)]) for r in rs]
-        m_of = [b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))]) for r in rs]
+        n_bytes, n_in, n_out = b.extract_value(ra.shape, 1), b.extract_value(xa.shape, 1), b.extract_value(oa.shape, 1)
+        n_blocks = b.udiv(n_bytes, _c(size))
+        rs = list(args[3 : 3 + rows])
+        row_of = [b.gep(ra.data, [b.mul(r, n_bytes)]) for r in rs]
 
         def tokens(t0, group):  # tokens t0 .. t0 + group - 1: LANES running sums each (a row), in registers
             xs = [b.gep(xa.data, [b.mul(b.add(t0, _c(g)), n_in)]) for g in range(group)]
@@ -477,11 +502,10 @@ def _row_dots(code: int, rows: int = 1):
             with cgutils.for_range(b, n_blocks) as loop:
                 blk = loop.index
                 runs = []  # runs[row]: [(first, w)], each row's block unpacked once for the group
-                for row, d_row, m_row in zip(row_of, d_of, m_of):
-                    _prefetch_block(b, row, b.mul(blk, _c(size)), size)
-                    dd = b.load(b.gep(d_row, [blk]))
-                    dm = b.load(b.gep(m_row, [blk])) if code in (_Q4_K, _Q5_K) else None
-                    runs.append(runs_of(b, row, blk, b.mul(blk, _c(size)), dd, dm))
+                for row in row_of:
+                    at = b.mul(blk, _c(size))
+                    _prefetch_block(b, row, at, size)
+                    runs.append(runs_of(b, row, blk, at, *_scales(b, code, row, at)))
                 for j, (first, w) in enumerate(runs[0]):
                     if isinstance(w, _Factored):  # K-quants: d0 * (q . x) - n0 * sum(x) a run
                         ws = [rr[j][1] for rr in runs]
@@ -518,14 +542,14 @@ def _row_dots(code: int, rows: int = 1):
     if rows == 1:
 
         @intrinsic
-        def dots(typingctx, raw, d, dmin, x, xsum, r, out):
-            return types.none(raw, d, dmin, x, xsum, r, out), codegen
+        def dots(typingctx, raw, x, xsum, r, out):
+            return types.none(raw, x, xsum, r, out), codegen
 
     else:
 
         @intrinsic
-        def dots(typingctx, raw, d, dmin, x, xsum, r, r2, out):
-            return types.none(raw, d, dmin, x, xsum, r, r2, out), codegen
+        def dots(typingctx, raw, x, xsum, r, r2, out):
+            return types.none(raw, x, xsum, r, r2, out), codegen
 
     return dots
 
@@ -554,39 +578,39 @@ _p8, _p40, _p50, _p4k, _p5k, _p6k = (_row_dots(c, 2) for c in (_Q8_0, _Q4_0, _Q5
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row(raw, d, dmin, code, x, xsum, r, out):  # row r with every token
+def _row(raw, code, x, xsum, r, out):  # row r with every token
     if code == _Q8_0:
-        _d8(raw, d, dmin, x, xsum, r, out)
+        _d8(raw, x, xsum, r, out)
     elif code == _Q4_0:
-        _d40(raw, d, dmin, x, xsum, r, out)
+        _d40(raw, x, xsum, r, out)
     elif code == _Q5_0:
-        _d50(raw, d, dmin, x, xsum, r, out)
+        _d50(raw, x, xsum, r, out)
     elif code == _Q4_K:
-        _d4k(raw, d, dmin, x, xsum, r, out)
+        _d4k(raw, x, xsum, r, out)
     elif code == _Q5_K:
-        _d5k(raw, d, dmin, x, xsum, r, out)
+        _d5k(raw, x, xsum, r, out)
     else:
-        _d6k(raw, d, dmin, x, xsum, r, out)
+        _d6k(raw, x, xsum, r, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _pair(raw, d, dmin, code, x, xsum, r, r2, out):  # rows r and r2 with every token
+def _pair(raw, code, x, xsum, r, r2, out):  # rows r and r2 with every token
     if code == _Q8_0:
-        _p8(raw, d, dmin, x, xsum, r, r2, out)
+        _p8(raw, x, xsum, r, r2, out)
     elif code == _Q4_0:
-        _p40(raw, d, dmin, x, xsum, r, r2, out)
+        _p40(raw, x, xsum, r, r2, out)
     elif code == _Q5_0:
-        _p50(raw, d, dmin, x, xsum, r, r2, out)
+        _p50(raw, x, xsum, r, r2, out)
     elif code == _Q4_K:
-        _p4k(raw, d, dmin, x, xsum, r, r2, out)
+        _p4k(raw, x, xsum, r, r2, out)
     elif code == _Q5_K:
-        _p5k(raw, d, dmin, x, xsum, r, r2, out)
+        _p5k(raw, x, xsum, r, r2, out)
     else:
-        _p6k(raw, d, dmin, x, xsum, r, r2, out)
+        _p6k(raw, x, xsum, r, r2, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmul_parallel(raw, d, dmin, code, x, out):
+def _matmul_parallel(raw, code, x, out):
     T, n = x.shape
     runs = n // 32 if code == _Q4_K or code == _Q5_K else 0
     xsum = np.empty((T, runs), np.float32)  # each token's sum over each run of 32, in order (its own)
@@ -600,33 +624,33 @@ def _matmul_parallel(raw, d, dmin, code, x, out):
     if PAIRS:  # two rows at a time, half a matrix apart (a constant: numba compiles only this branch)
         half = R // 2
         for p in prange(half):
-            _pair(raw, d, dmin, code, x, xsum, p, p + half, out)
+            _pair(raw, code, x, xsum, p, p + half, out)
         if R % 2:
-            _row(raw, d, dmin, code, x, xsum, R - 1, out)
+            _row(raw, code, x, xsum, R - 1, out)
     else:
         for r in prange(R):
-            _row(raw, d, dmin, code, x, xsum, r, out)
+            _row(raw, code, x, xsum, r, out)
 
 
-def matmul_blocks(raw, d, dmin, code, x, out):  # (R, row bytes) u8, (R, nb) f32, (R, nb or 0) f32, int, (T, in) f32, (T, R) f32
+def matmul_blocks(raw, code, x, out):  # (R, row bytes) u8, int, (T, in) f32, (T, R) f32
     """out[t, r] <- row r's values . x[t], for every row and token (rows in parallel on numba's threads).
 
     Each result depends on its row and token alone (see the module's docstring). The arrays are read
     without bounds checks, so their shapes are checked here."""
-    _check_shapes(raw, d, dmin, code, x, out)
-    _matmul_parallel(raw, d, dmin, code, x, out)
+    _check_shapes(raw, code, x, out)
+    _matmul_parallel(raw, code, x, out)
 
 
-def _check_shapes(raw, d, dmin, code, x, out) -> None:  # the kernels read without bounds checks
+def _check_shapes(raw, code, x, out) -> None:  # the kernels read without bounds checks
     if code not in _RUNS:
         raise ValueError(f"code should be a block type's ({sorted(_RUNS)}), got {code!r}")
-    for a, name, dtype in ((raw, "raw", np.uint8), (d, "d", np.float32), (dmin, "dmin", np.float32), (x, "x", np.float32), (out, "out", np.float32)):
+    for a, name, dtype in ((raw, "raw", np.uint8), (x, "x", np.float32), (out, "out", np.float32)):
         check_array(a, name, dtype, (None, None))
     per, size = (32, _RUNS[code][1]) if code in (_Q8_0, _Q4_0, _Q5_0) else (256, _RUNS[code][1])
-    R, nb = d.shape
+    R, n_bytes = raw.shape
     T, n_in = x.shape
-    if raw.shape != (R, nb * size) or n_in != nb * per or out.shape != (T, R) or (code in (_Q4_K, _Q5_K) and dmin.shape != (R, nb)):
-        raise ValueError(f"block product shapes do not agree: raw {raw.shape}, d {d.shape}, dmin {dmin.shape}, x {x.shape}, out {out.shape}")
-    for a, name in ((raw, "raw"), (d, "d"), (dmin, "dmin"), (x, "x"), (out, "out")):  # (the 32-value types' dmin is never read)
+    if n_bytes % size or n_in != n_bytes // size * per or out.shape != (T, R):
+        raise ValueError(f"block product shapes do not agree: raw {raw.shape} (blocks of {size} bytes, {per} values), x {x.shape}, out {out.shape}")
+    for a, name in ((raw, "raw"), (x, "x"), (out, "out")):
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} should be C-contiguous")

@@ -68,7 +68,7 @@ from ..._compiled import _float_from_bits
 from ..._checks import check_array
 from ..._numba_cache import install as _install_cache
 
-from .quant_simd import _F32, _I8, _I32, _Q4_K, _V8F, _bytes, _c, _check_shapes, _fma, _hsum, _k_factors8, _prefetch_block, _target_has, _vec
+from .quant_simd import _F32, _I8, _I32, _Q4_K, _V8F, _bytes, _c, _check_shapes, _fma, _hsum, _k_factors8, _prefetch_block, _scales, _target_has, _vec
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
 
@@ -114,7 +114,7 @@ def _dpbusd(b, acc, q, s):  # <16 x i32>, <64 x i8> unsigned, <64 x i8> signed -
 
 
 def _dots_q4_k(rows: int):
-    """An intrinsic ``(raw, d, dmin, slices, steps, sums, r, out) -> None`` (one row) or ``(..., r, r2, out)``
+    """An intrinsic ``(raw, slices, steps, sums, r, out) -> None`` (one row) or ``(..., r, r2, out)``
     (two): out[0, r'] <- row r' . x, x given as ``slices`` (1, 3, N) int8, ``steps`` and ``sums`` (1, N/32).
     Two rows share each load of the slices, and are taken half a matrix apart as :mod:`quant_simd` takes
     them (two streams of bytes far apart): the Llama file's 768 x 2,048 matrices in the L2 cache in 0.92x
@@ -122,12 +122,11 @@ def _dots_q4_k(rows: int):
     Each row's sums are made by the same operations in the same order either way: the same bits."""
 
     def codegen(context, b, sig, args):
-        ra, da, ma, xa, sa, ua, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 5, len(args) - 1))
-        rs = list(args[6 : 6 + rows])
-        n_blocks, n_in = b.extract_value(da.shape, 1), b.extract_value(xa.shape, 2)
-        row_of = [b.gep(ra.data, [b.mul(r, b.extract_value(ra.shape, 1))]) for r in rs]
-        d_of = [b.gep(da.data, [b.mul(r, n_blocks)]) for r in rs]
-        m_of = [b.gep(ma.data, [b.mul(r, n_blocks)]) for r in rs]
+        ra, xa, sa, ua, oa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 2, 3, len(args) - 1))
+        rs = list(args[4 : 4 + rows])
+        n_bytes, n_in = b.extract_value(ra.shape, 1), b.extract_value(xa.shape, 2)
+        n_blocks = b.udiv(n_bytes, _c(144))
+        row_of = [b.gep(ra.data, [b.mul(r, n_bytes)]) for r in rs]
         accs = [[cgutils.alloca_once(b, _V16F) for _ in range(2)] for _ in rs]  # two chains of multiply-adds a row
         offs = [cgutils.alloca_once(b, _V8F) for _ in rs]
         for a in (a for row_accs in accs for a in row_accs):
@@ -145,9 +144,9 @@ def _dots_q4_k(rows: int):
             k0 = b.mul(blk, _c(8))
             steps8, sums8 = vec8(sa.data, k0), vec8(ua.data, k0)
             unpacked = []  # a row's 4 vectors of weights (runs ORDER[2v], ORDER[2v + 1]) and its 8 runs' d * sc * step
-            for row, d_row, m_row, off in zip(row_of, d_of, m_of, offs):
+            for row, off in zip(row_of, offs):
                 _prefetch_block(b, row, at, 144)
-                scales8, mins8 = _k_factors8(b, row, at, b.load(b.gep(d_row, [blk])), b.load(b.gep(m_row, [blk])))
+                scales8, mins8 = _k_factors8(b, row, at, *_scales(b, _Q4_K, row, at))
                 nib = [_bytes(b, row, b.add(at, _c(16 + 64 * k)), 64) for k in range(2)]  # the 128 bytes of nibbles
                 qs = [b.and_(nib[0], low), b.lshr(nib[0], four), b.and_(nib[1], low), b.lshr(nib[1], four)]
                 b.store(_fma(b, mins8, sums8, b.load(off)), off)
@@ -169,14 +168,14 @@ def _dots_q4_k(rows: int):
     if rows == 1:
 
         @intrinsic
-        def dots(typingctx, raw, d, dmin, slices, steps, sums, r, out):
-            return types.none(raw, d, dmin, slices, steps, sums, r, out), codegen
+        def dots(typingctx, raw, slices, steps, sums, r, out):
+            return types.none(raw, slices, steps, sums, r, out), codegen
 
     else:
 
         @intrinsic
-        def dots(typingctx, raw, d, dmin, slices, steps, sums, r, r2, out):
-            return types.none(raw, d, dmin, slices, steps, sums, r, r2, out), codegen
+        def dots(typingctx, raw, slices, steps, sums, r, r2, out):
+            return types.none(raw, slices, steps, sums, r, r2, out), codegen
 
     return dots
 
@@ -251,17 +250,17 @@ def _slice_activations(x):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmul_parallel(raw, d, dmin, code, x, out):  # one token: out (1, R) <- W x (rows in parallel on numba's threads)
+def _matmul_parallel(raw, code, x, out):  # one token: out (1, R) <- W x (rows in parallel on numba's threads)
     slices, steps, sums = _slice_activations(x)
     half = raw.shape[0] // 2
     for p in prange(half):  # rows p and p + half (see _dots_q4_k)
-        _two(raw, d, dmin, slices, steps, sums, p, p + half, out)
+        _two(raw, slices, steps, sums, p, p + half, out)
     if raw.shape[0] % 2:
-        _one(raw, d, dmin, slices, steps, sums, raw.shape[0] - 1, out)
+        _one(raw, slices, steps, sums, raw.shape[0] - 1, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmul_parts_parallel(raws, ds, dmins, x, out):  # one token; parts (R_p, bytes) ... -> out (1, sum R_p), the parts' rows side by side
+def _matmul_parts_parallel(raws, x, out):  # one token; parts (R_p, bytes) ... -> out (1, sum R_p), the parts' rows side by side
     """:func:`_matmul_parallel` of each part (a stacked matrix: q, k and v, or gate and up) into its columns
     of ``out``, with one slicing of x and one parallel loop for all of them: the same rows, the same bits.
     Each part's rows p and p + R_p // 2 go together as there; empty parts (no rows) are skipped."""
@@ -278,15 +277,15 @@ def _matmul_parts_parallel(raws, ds, dmins, x, out):  # one token; parts (R_p, b
         while i >= first[j + 1]:
             j += 1
         half = raws[j].shape[0] // 2
-        _two(raws[j], ds[j], dmins[j], slices, steps, sums, i - first[j], i - first[j] + half, out[0, col[j] :])
+        _two(raws[j], slices, steps, sums, i - first[j], i - first[j] + half, out[0, col[j] :])
     for j in range(n):  # an odd part's last row
         if raws[j].shape[0] % 2:
-            _one(raws[j], ds[j], dmins[j], slices, steps, sums, raws[j].shape[0] - 1, out[0, col[j] :])
+            _one(raws[j], slices, steps, sums, raws[j].shape[0] - 1, out[0, col[j] :])
 
 
-def matmul_blocks_sliced(raw, d, dmin, code, x, out):  # as quant_simd.matmul_blocks, for what takes() accepts
+def matmul_blocks_sliced(raw, code, x, out):  # as quant_simd.matmul_blocks, for what takes() accepts
     """out[0, r] <- row r's values . x[0], x in three int8 slices (see the module's docstring)."""
-    _check_shapes(raw, d, dmin, code, x, out)
+    _check_shapes(raw, code, x, out)
     if not takes(code, x.shape[0]):
         raise ValueError(f"the sliced product takes one token of Q4_K, got {x.shape[0]} tokens of block type code {code}")
-    _matmul_parallel(raw, d, dmin, code, x, out)
+    _matmul_parallel(raw, code, x, out)

@@ -244,6 +244,10 @@ def test_decoders_and_float_products_refuse_what_their_kernels_would_misread():
     from qkv.models.formats.quants import _CODE
 
     assert {SUPPORTED[code]: size for code, size in qk._SIZES.items()} == {t: BLOCKS[t] for t in SUPPORTED if t not in ("F16", "BF16")}  # its copy of the block sizes
+    from qkv.models.formats import quant_simd
+    from qkv.models.formats.quants import _SCALE_BYTES
+
+    assert {SUPPORTED[code]: tuple(a for a in at if a is not None) for code, at in quant_simd._SCALE_AT.items()} == _SCALE_BYTES  # and of the scales' places
     m = QuantizedMatrix(random_blocks("Q4_K", 4, 256, np.random.default_rng(0)), "Q4_K", (4, 256))
     ok = np.zeros((4, 256), np.float32)
     qk.dequantize_into(m.raw, _CODE["Q4_K"], ok)

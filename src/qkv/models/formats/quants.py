@@ -183,6 +183,12 @@ def _say_once_uncompiled() -> None:
         warnings.warn("quantized weights are multiplied without numba (dequantized at every product: about 100x slower): pip install 'qkv[fast]'", RuntimeWarning, stacklevel=3)
 
 
+#: Where a block keeps its float16 scales: the byte of d, then of dmin (the K-quants with offsets). The vector
+#: kernels keep their own copy (quant_simd._SCALE_AT: quants imports them, so they cannot import this one);
+#: tests/test_quants.py checks the two agree.
+_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
 def _check_scales(raw: np.ndarray, qtype: str, name: str, *, rows_a_pass: int = 16384) -> None:
     """A NaN or infinite scale (or F16/BF16 value) makes every product it enters NaN, and a model print
     text decoded from NaN logits: refused here, naming the tensor.
@@ -197,8 +203,7 @@ def _check_scales(raw: np.ndarray, qtype: str, name: str, *, rows_a_pass: int = 
         mask = 0x7C00 if qtype == "F16" else 0x7F80  # the exponent's bits
     else:
         step = BLOCKS[qtype][1] // 2
-        at = [104] if qtype == "Q6_K" else [0, 1] if qtype in ("Q4_K", "Q5_K") else [0]  # d (Q6_K keeps it last, at byte 208), dmin
-        fields, mask = [words[:, a::step] for a in at], 0x7C00
+        fields, mask = [words[:, at // 2 :: step] for at in _SCALE_BYTES[qtype]], 0x7C00
     bad_rows = 0
     first = None
     for f in fields:

@@ -369,12 +369,12 @@ class _Server:
             try:
                 queued = self.scheduler.submit(r)
             except Closed:
+                queued = None
+            if not queued:  # the choices already queued go back: none of them is answered
                 for q in reqs:
                     q.cancel()
-                raise APIError(503, "the server is shutting down", code="shutting_down", kind="server_error") from None
-            if not queued:
-                for q in reqs:
-                    q.cancel()
+                if queued is None:
+                    raise APIError(503, "the server is shutting down", code="shutting_down", kind="server_error")
                 raise APIError(429, f"the server is busy: {self.scheduler.max_waiting} requests are waiting; try again shortly", code="queue_full", kind="rate_limit_error", headers={"Retry-After": "1"})
             reqs.append(r)
         open_ = set(range(len(prompts) * n))

@@ -127,6 +127,35 @@ def test_gguf_sentencepiece_tokenizer_equals_transformers(torch, tmp_path):
         assert lm.tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_only_the_merges_bpe_can_make_are_kept_and_every_text_gets_the_same_tokens(seed):
+    """A SentencePiece vocabulary's merges (every split of every entry) against the few of them that
+    end an entry's own BPE (formats.tokenizer._merges_made): random vocabularies over three letters,
+    where merges compete at every step, in random order, and random texts: the same tokens from the
+    tokenizers library with all merges and with the kept ones. A merge that joins a byte or the
+    unknown token (symbols not made from characters) keeps them all."""
+    import tokenizers as tk
+
+    from qkv.models.formats.tokenizer import _merges_made, _spm_merges
+
+    rng = np.random.default_rng(seed)
+    tokens = ["<unk>", "a", "b", "c"] + sorted({"".join(rng.choice(list("abc"), rng.integers(2, 7))) for _ in range(150)})
+    rng.shuffle(tokens[4:])  # the file's order is the merge order
+    vocab = {t: i for i, t in enumerate(tokens)}
+    scores = [-i for i in range(len(tokens))]
+    everything = _spm_merges(tokens, scores)
+    kept = _merges_made(everything, vocab, "<unk>")
+    assert set(kept) < set(everything) and len(kept) <= len(tokens) and kept == [m for m in everything if m in set(kept)]
+
+    def bpe(merges):
+        return tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True))
+
+    texts = ["".join(rng.choice(list("abcd"), rng.integers(1, 40))) for _ in range(3000)]  # d: unknown
+    assert [e.ids for e in bpe(kept).encode_batch(texts)] == [e.ids for e in bpe(everything).encode_batch(texts)]
+    for odd in ("<unk>", "<0x41>"):
+        assert _merges_made(everything + [(odd, "a")], {**vocab, odd: 0, odd + "a": 1}, "<unk>") == everything + [(odd, "a")]
+
+
 def test_gguf_chat_template_from_the_file(torch, tmp_path, bpe):
     template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     path = tmp_path / "chat.gguf"

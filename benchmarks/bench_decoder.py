@@ -254,13 +254,17 @@ def run(threads: int, args, which_all, prompt: list) -> dict:
     from threadpoolctl import threadpool_limits
 
     loads = {}
-    for which in which_all:  # each in a fresh process; the second of two runs (the file in the page cache)
-        for _ in range(2):
+    for which in which_all:  # each in a fresh process; a first run puts the file in the page cache, then the median of
+        runs = []  # args.load_runs more (one for transformers, whose load takes 40 s): one run's load moved by a third
+        for _ in range(1 + (1 if which == "hf" else args.load_runs)):
             out = subprocess.run([sys.executable, __file__, "--child", which, "--threads", str(threads), "--prompt-ids", json.dumps(prompt)] + (["--busy"] if BUSY else []) + (["--model", MODEL] if MODEL else []), capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{which} failed to load:\n{out.stderr[-2000:]}")
-            loads[which] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"[{threads} threads] {which}: load {loads[which]['load_s']:.1f} s, peak {loads[which]['peak_rss_mib']:.0f} MiB", flush=True)
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        runs = runs[1:]
+        loads[which] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+        loads[which]["load_range"] = (min(r["load_s"] for r in runs), max(r["load_s"] for r in runs))
+        print(f"[{threads} threads] {which}: load {loads[which]['load_s']:.2f} s ({' '.join(format(r['load_s'], '.2f') for r in runs)}), peak {loads[which]['peak_rss_mib']:.0f} MiB", flush=True)
 
     res = {"loads": loads, "decode": {w: [] for w in which_all}, "prefill": {w: [] for w in which_all}, "tokens": {}}
     limit_threads(threads, bind=not BUSY)
@@ -329,7 +333,11 @@ def table(threads: int, res: dict, args) -> list[str]:
     ratios = {w: float(np.median(np.array(res["decode"]["qkv"]) / np.array(v))) for w, v in res["decode"].items()}
     lines.append("| the same, median of each round's ratio | " + " | ".join("1" if w == "qkv" else f"{ratios[w]:.2f}" for w in which_all) + " |")
     lines.append(f"| prefill of {res['long']} tokens, s | " + " | ".join(f"{med['prefill'][w]:.2f}" for w in which_all) + " |")
-    lines.append("| load, s | " + " | ".join(f"{res['loads'][w]['load_s']:.1f}" for w in which_all) + " |")
+    def load(w):
+        lo, hi = res["loads"][w].get("load_range", (None, None))
+        return f"{res['loads'][w]['load_s']:.2f}" + (f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi > lo else "")
+
+    lines.append(f"| load, s (median of {args.load_runs} fresh processes, min-max) | " + " | ".join(load(w) for w in which_all) + " |")
     lines.append("| peak resident memory, MiB | " + " | ".join(f"{res['loads'][w]['peak_rss_mib']:.0f}" for w in which_all) + " |")
     lines.append("| greedy tokens equal to qkv float32's | " + " | ".join(same(w) for w in which_all) + " |")
     if "int8" in res:
@@ -348,6 +356,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default="2,1", help="thread counts, comma-separated (default 2,1)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--load-runs", type=int, default=3, help="fresh processes timing each load, after a first (default 3; transformers: 1)")
     p.add_argument("--prefill-tokens", type=int, default=1000)
     p.add_argument("--no-write", action="store_true", help="print only, do not rewrite docs/benchmarks.md")
     p.add_argument("--busy", action="store_true", help="run beside a process that keeps one core busy (a spinning Python loop), nothing bound to cores")
@@ -510,7 +519,7 @@ def _measure(args, which_all, counts, prompt) -> int:
         f"dequantizes it to float32, llama.cpp (llama-cpp-python 0.3.36 built from source for this CPU: {vector_units()}) runs it as it is. "
         f"Same cores for all (the process bound to that many; BLAS, numba, torch and llama.cpp set to as many threads), decode and prefill side by side, {args.repeat} interleaved rounds, medians "
         "(llama.cpp in a child process of its own: in qkv's it lost 40% of its two-thread rate once qkv had run, both using libgomp); "
-        "load time and peak resident memory (VmHWM, the interpreter and libraries included) in a fresh process each.",
+        f"load time and peak resident memory (VmHWM, the interpreter and libraries included) in fresh processes: the medians of {args.load_runs} after a first that puts the file in the page cache (transformers: 1).",
         "",
     ]
     if "llama.cpp" not in which_all:

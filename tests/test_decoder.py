@@ -61,15 +61,16 @@ def test_tokenizer_ids_equal_transformers(gemma, hf_gemma):
 def test_tokenizer_ids_equal_transformers_on_thousands_of_random_texts(gemma, hf_gemma):
     """qkv keeps only the merges BPE can make (formats.tokenizer._merges_made); transformers builds
     Gemma's tokenizer from the same file with all of them. Texts made of random vocabulary entries
-    (where many merges compete) and of random characters get the same ids from both. (Not a literal
-    U+2581 beside spaces: there transformers, llama.cpp and qkv each split differently.)"""
+    (where many merges compete), of random characters, and of spaces, U+2581s and letters (Gemma's
+    runs of spaces are user-defined tokens in the file; qkv once matched them whole in the text, where
+    only literal U+2581s could match them) get the same ids from both."""
     tok, _ = hf_gemma
     rng = np.random.default_rng(0)
     vocab = gemma.tokenizer.backend.get_vocab()
     pieces = [p.replace("\u2581", " ") for p, i in vocab.items() if i < 262_000 and not p.startswith("<")]
     texts = ["".join(pieces[j] for j in rng.integers(0, len(pieces), rng.integers(1, 24))) for _ in range(6000)]
     texts += ["".join(map(chr, rng.integers(32, 0x3000, rng.integers(1, 40)))) for _ in range(2000)]
-    texts += ["".join(rng.choice(list("ab \u00e9\n"), rng.integers(1, 60))) for _ in range(2000)]
+    texts += ["".join(rng.choice(list("ab \u2581\u00e9\n"), rng.integers(1, 60))) for _ in range(2000)]
     ours = [gemma.tokenizer.encode(t) for t in texts]
     assert ours == tok(texts).input_ids
 

@@ -163,8 +163,8 @@ _END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|en
 
 #: Bumped when the way a tokenizer is built from a GGUF vocabulary, or kept on disk, changes: older cached
 #: ones are not read (2: BPE merges written as "left right" strings, see _merges_as_strings; 3: only
-#: the merges BPE can make, see _merges_made).
-_CACHE_FORMAT = "qkv-gguf-tokenizer-3"
+#: the merges BPE can make, see _merges_made; 4: Gemma's runs of spaces left to BPE).
+_CACHE_FORMAT = "qkv-gguf-tokenizer-4"
 
 
 def cache_dir() -> Path:
@@ -314,7 +314,7 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
     )
 
 
-_RAW_FORMAT = b"qkv-gguf-tokenizer-raw-3"  # as _CACHE_FORMAT
+_RAW_FORMAT = b"qkv-gguf-tokenizer-raw-4"  # as _CACHE_FORMAT
 
 
 def _raw_key(gguf, model: str, gemma: bool, pre, unk) -> str | None:
@@ -342,9 +342,11 @@ def _recipe(gguf, source: str, model: str, gemma: bool, types: list, unk, scores
     refused here, before anything is built or cached): what :func:`cached_tokenizer` takes."""
     tk = _tokenizers()
     tokens = list(gguf.field("tokenizer.ggml.tokens", required=True))
+    runs = set()  # Gemma's runs of spaces, spelled as BPE sees them
     if model == "llama" and gemma:
         # Gemma stores a token of two or more spaces as real spaces, while the text reaches BPE with
         # every space turned into U+2581: spell those tokens that way so they can match.
+        runs = {"\u2581" * len(t) for t in tokens if t and not t.strip(" ")}
         tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {}
     for i, t in enumerate(tokens):
@@ -352,9 +354,12 @@ def _recipe(gguf, source: str, model: str, gemma: bool, types: list, unk, scores
 
     def specials(tok):
         # Control tokens (<bos>, <|im_start|>, ...) match whole and are special; user-defined ones
-        # match whole and are text.
+        # match whole and are text. Not Gemma's runs of spaces (user-defined in the file): whole
+        # matches are found in the text before its spaces become U+2581, where such a run could only
+        # ever match literal U+2581s ("x\u2581\u2581 " came out x, \u2581\u2581, \u2581 where "x   " is x,
+        # \u2581\u2581\u2581); BPE makes them from spaces and U+2581s alike, as transformers does.
         tok.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL])
-        tok.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and vocab.get(t) is not None])
+        tok.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and vocab.get(t) is not None and t not in runs])
         return tok
 
     if model == "llama":

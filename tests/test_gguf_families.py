@@ -139,18 +139,22 @@ def test_only_the_merges_bpe_can_make_are_kept_and_every_text_gets_the_same_toke
     from qkv.models.formats.tokenizer import _merges_made, _spm_merges
 
     rng = np.random.default_rng(seed)
-    tokens = ["<unk>", "a", "b", "c"] + sorted({"".join(rng.choice(list("abc"), rng.integers(2, 7))) for _ in range(150)})
-    rng.shuffle(tokens[4:])  # the file's order is the merge order
+    tokens = ["<unk>", "a", "b", "c"] + sorted({"".join(rng.choice(list("abc"), rng.integers(2, 7))) for _ in range(150)} | {"abc" * 30, "abc" * 30 + "a"})  # (two past _LONGEST_RUN)
+    tail = tokens[4:]
+    rng.shuffle(tail)  # the file's order is the merge order
+    tokens[4:] = tail
     vocab = {t: i for i, t in enumerate(tokens)}
     scores = [-i for i in range(len(tokens))]
     everything = _spm_merges(tokens, scores)
     kept = _merges_made(everything, vocab, "<unk>")
-    assert set(kept) < set(everything) and len(kept) <= len(tokens) and kept == [m for m in everything if m in set(kept)]
+    assert set(kept) < set(everything) and kept == [m for m in everything if m in set(kept)]
+    assert {m for m in everything if len(m[0] + m[1]) > 64} <= set(kept)  # a long entry's merges, all kept
 
     def bpe(merges):
         return tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True))
 
     texts = ["".join(rng.choice(list("abcd"), rng.integers(1, 40))) for _ in range(3000)]  # d: unknown
+    texts += ["abc" * int(rng.integers(25, 35)) + "".join(rng.choice(list("abc"), 3)) for _ in range(50)]
     assert [e.ids for e in bpe(kept).encode_batch(texts)] == [e.ids for e in bpe(everything).encode_batch(texts)]
     for odd in ("<unk>", "<0x41>"):
         assert _merges_made(everything + [(odd, "a")], {**vocab, odd: 0, odd + "a": 1}, "<unk>") == everything + [(odd, "a")]

@@ -241,8 +241,10 @@ def _return_freed_heap() -> None:
     """Hand the heap that a tokenizer's parser freed back to the system (glibc's ``malloc_trim``).
 
     Reading Gemma's 262,144 tokens and 236,335 merges, the ``tokenizers``
-    library's resident memory peaks 112 MiB above where it began; it keeps 78, and glibc held
-    on to 26 MiB more that the parser freed, resident for as long as the process ran. Elsewhere (macOS, musl) there is no such call and nothing is done.
+    library takes the process's resident memory 112 MiB above where it began;
+    it keeps 78, and glibc held on to 26 MiB more that the parser freed,
+    resident for as long as the process ran. Elsewhere (macOS, musl) there is
+    no such call and nothing is done.
     """
     import ctypes
 

@@ -17,7 +17,7 @@ them; Q8_0, Q4_0 and Q5_0 given such scales too), two measures:
   step meets them, in GB/s of blocks read, on each thread count.
 
 The kernels are those of ``qkv/models/formats/quant_simd.py``; what each costs and why is in
-docs/decoding.md (Speed).
+docs/decode-speed.md.
 """
 
 from __future__ import annotations

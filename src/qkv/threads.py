@@ -24,7 +24,7 @@ the last half second or more, looked at no more often than every
 token, each waiting for its slowest thread; a thread that shares its core
 with a busy program is the slowest every time. On a 2-core machine with one
 core busy, two threads decoded at 8-9 tokens/s and one at 16-19, against 28-31
-on two threads when quiet (docs/decoding.md). A quiet machine keeps every
+on two threads when quiet (docs/decode-speed.md). A quiet machine keeps every
 core, and the look at ``/proc/stat`` costs microseconds twice a second. A count
 that was chosen (a call, the variable, ``--threads``) is used as given.
 

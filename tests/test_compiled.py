@@ -594,3 +594,33 @@ def test_finish_rows_is_the_numpy_routes_division_and_log_sum_exp(dtype):
     np.testing.assert_allclose(lse.reshape(-1), want_lse, rtol=np.finfo(dtype).eps, atol=0)  # libm's log against NumPy's: an ulp at most
     assert np.isnan(lse.reshape(-1)[4]) and np.isneginf(lse.reshape(-1)[[1, 10]]).all()
     assert out.dtype == lse.dtype == dtype
+
+
+@pytest.mark.filterwarnings("ignore:Setting the shape:DeprecationWarning")  # NumPy 2.5+ warns where old_numpy pretends
+@pytest.mark.parametrize("old_numpy", [False, True])
+def test_rows_are_a_view_or_none_never_a_copy(old_numpy, monkeypatch):
+    """``as_rows`` (the compiled activations' in-place rows) sees (..., E) as (N, E) without a copy, or says
+    it cannot; NumPy before 2.1 has no ``reshape(copy=False)`` and takes the other route."""
+    from qkv._checks import as_rows
+
+    if old_numpy:
+        reshape = np.reshape
+
+        def without_copy(a, shape, *args, **kwargs):
+            if "copy" in kwargs:
+                raise TypeError("reshape() got an unexpected keyword argument 'copy'")
+            return reshape(a, shape, *args, **kwargs)
+
+        monkeypatch.setattr(np, "reshape", without_copy)
+    base = np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2)
+    cases = [base, base[1:3], base[:, :, 0], base.transpose(1, 0, 2), base[::2], base[:, ::2], np.array(2.0, np.float32), base[:, 0]]
+    for x in cases:
+        rows = as_rows(x)
+        width = x.shape[-1] if x.ndim else 1
+        plain = x.reshape(-1, width)  # NumPy's reshape: a view where one exists, else a copy
+        if np.shares_memory(plain, x):
+            assert rows is not None and rows.shape == plain.shape and np.shares_memory(rows, x), x.strides
+            assert np.array_equal(rows, plain)
+        else:
+            assert rows is None, x.strides
+    assert sum(as_rows(x) is None for x in cases) == 3  # every other block, every other row of each, the transposed one

@@ -55,6 +55,26 @@ def check_broadcast(arr: np.ndarray, target: tuple, name: str, target_name: str)
         raise ValueError(f"{name} shape should broadcast to {target_name} {tuple(target)}, got {arr.shape}")
 
 
+def as_rows(x: np.ndarray) -> np.ndarray | None:
+    """``x`` (..., E) seen as rows (N, E) without a copy, or None where only a copy would do.
+
+    >>> as_rows(np.zeros((2, 3, 4))).shape, as_rows(np.zeros((4, 3, 2)).transpose(1, 0, 2)) is None
+    ((6, 4), True)
+    """
+    width = x.shape[-1] if x.ndim else 1
+    try:
+        return np.reshape(x, (-1, width), copy=False)  # NumPy 2.1+: a ValueError where it would copy
+    except ValueError:
+        return None
+    except TypeError:  # older NumPy has no copy=; setting .shape refuses to copy (deprecated since 2.5)
+        rows = x.view()
+        try:
+            rows.shape = (-1, width)
+        except AttributeError:
+            return None
+        return rows
+
+
 def check_int(value, name: str, *, minimum: int | None = None) -> int:
     """An integer (not bool) no smaller than ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -44,6 +44,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import populate_array
 
+from ._checks import as_rows
 from ._numba_cache import install as _install_cache, twin
 
 _install_cache()  # before the first cached function: numba's cache stamped by every compiled module (see _numba_cache)
@@ -507,11 +508,17 @@ def _gated(u, F, kind, out):  # (R, 2F) rows contiguous, int, int, (R, F) -> out
             o[j] = o[j] * row[F + j]
 
 
+def _rows(x: np.ndarray, name: str) -> np.ndarray:
+    rows = as_rows(x)
+    if rows is None:
+        raise ValueError(f"{name} should be rows of contiguous values (a view as (N, {x.shape[-1]}) without a copy), got strides {x.strides}")
+    return rows
+
+
 def gated_(u: np.ndarray, F: int, kind: int, out: np.ndarray | None = None) -> np.ndarray:
     """``act(u[..., :F]) * u[..., F:]`` for float32/float64 ``u`` (..., 2F) in contiguous rows, into
     ``out`` (contiguous (..., F), u's dtype) or a new array. ``kind`` as :func:`activation_`'s."""
-    rows = u.view()
-    rows.shape = (-1, u.shape[-1])
+    rows = _rows(u, "u")
     shape = u.shape[:-1] + (F,)
     if out is None or out.shape != shape or out.dtype != u.dtype or not out.flags.c_contiguous:
         out = np.empty(shape, u.dtype)
@@ -522,8 +529,7 @@ def gated_(u: np.ndarray, F: int, kind: int, out: np.ndarray | None = None) -> n
 def activation_(x: np.ndarray, kind: int) -> np.ndarray:
     """In place on a float32/float64 array of contiguous rows (the gate half of a gated MLP's product
     too): 0 exact GELU, 1 tanh GELU, 2 SiLU."""
-    rows = x.view()
-    rows.shape = (-1, x.shape[-1] if x.ndim else 1)  # a view, never a copy (which would lose the in-place result)
+    rows = _rows(x, "x")  # a view, never a copy (which would lose the in-place result)
     _activation(rows, kind)
     return x
 

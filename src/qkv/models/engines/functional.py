@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from ... import flash as _flash
+from ..._checks import as_rows
 
 __all__ = ["layer_norm", "add_layer_norm", "rms_norm", "erf", "gelu", "gelu_tanh", "silu", "gated_activation", "ACTIVATIONS", "COMPILED_KINDS"]
 
@@ -90,13 +91,7 @@ def _rows_view(x: np.ndarray) -> bool:
     """Whether ``x`` is rows of contiguous values that reshape to (N, E) without a copy."""
     if x.ndim == 0 or x.size == 0:
         return x.flags.c_contiguous
-    if x.strides[-1] != x.itemsize:
-        return False
-    try:
-        x.view().shape = (-1, x.shape[-1])
-    except AttributeError:  # NumPy: "incompatible shape for in-place modification" would need a copy
-        return False
-    return True
+    return x.strides[-1] == x.itemsize and as_rows(x) is not None
 
 
 def _gelu_erf_(x: np.ndarray, work: list) -> np.ndarray:

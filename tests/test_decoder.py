@@ -457,6 +457,34 @@ def test_batched_greedy_equals_each_single_run(family, torch, tmp_path):
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
 
 
+def test_compiling_is_left_out_of_the_rates(gemma, monkeypatch):
+    """Seconds numba spends compiling inside generate (a first run's) come as ``compile_s`` and are left
+    out of ``prefill_s`` and ``decode_s``: here each forward pass "compiles" for a second."""
+    import time
+
+    from qkv import _numba_cache
+
+    alone = gemma.generate("The capital of France is", max_new_tokens=3)
+    calls = []
+
+    def compiling(f):
+        def run(*args, **kwargs):
+            time.sleep(1.0)
+            _numba_cache._compiled["seconds"] += 1.0
+            calls.append(1)
+            return f(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setitem(_numba_cache._compiled, "seconds", _numba_cache._compiled["seconds"])
+    monkeypatch.setattr(gemma, "_forward", compiling(gemma._forward))  # every pass: forward's (the prefill) and the steps
+    out = gemma.generate("The capital of France is", max_new_tokens=3)
+    t = out.timings
+    assert len(calls) == 3 and t["compile_s"] == pytest.approx(3.0)
+    assert 0 < t["prefill_s"] < 1.0 and 0 < t["decode_s"] < 1.0, t  # a second each would be there otherwise
+    assert out.token_ids == alone.token_ids and alone.timings["compile_s"] < 1.0
+
+
 def test_batched_generation_stops_each_row_on_its_own(gemma):
     outs = gemma.generate(["The capital of France is", "Hello", "1, 2, 3, 4,"], max_new_tokens=6, stop=[","])
     singles = [gemma.generate(p, max_new_tokens=6, stop=[","]) for p in ["The capital of France is", "Hello", "1, 2, 3, 4,"]]

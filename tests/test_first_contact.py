@@ -230,12 +230,12 @@ def test_generate_says_it_is_loading_and_that_its_rate_is_the_decode_rate():
     err = r.stderr.strip().splitlines()
     assert err[0] == "qkv: loading gemma3-270m ..."
     # (a first run on a fresh cache says how long it compiled, once: see test_a_closing_line_says_compiling_once)
-    assert "; decode " in err[-1] and re.search(r"tokens/s(; [0-9.]+ s compiling kernels, once)?\]$", err[-1]) and "prefill 6 prompt tokens" in err[-1]
+    assert "; decode " in err[-1] and re.search(r"tokens/s(; and [0-9.]+ s compiling kernels, once)?\]$", err[-1]) and "prefill 6 prompt tokens" in err[-1]
 
 
 def test_a_closing_line_says_compiling_once(monkeypatch):
-    """Seconds numba spent compiling since the last closing line are said on it (a first run's rates
-    would mislead without them), and only once: a chat's later turns say nothing of them."""
+    """Seconds numba spent compiling since the last closing line are said on it (generate leaves them out
+    of its rates), and only once: a chat's later turns say nothing of them."""
     from types import SimpleNamespace
 
     from qkv import _numba_cache
@@ -246,7 +246,7 @@ def test_a_closing_line_says_compiling_once(monkeypatch):
     monkeypatch.setitem(_numba_cache._compiled, "seconds", 0.0)
     assert generate._closing_line(out) == "[3 tokens, stop: length; prefill 6 prompt tokens in 9.50 s; decode 1.5 tokens/s]"
     monkeypatch.setitem(_numba_cache._compiled, "seconds", 12.34)
-    assert generate._closing_line(out).endswith("; decode 1.5 tokens/s; 12.3 s compiling kernels, once]")
+    assert generate._closing_line(out).endswith("; decode 1.5 tokens/s; and 12.3 s compiling kernels, once]")
     assert generate._closing_line(out).endswith("; decode 1.5 tokens/s]")
 
 

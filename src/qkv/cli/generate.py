@@ -87,9 +87,9 @@ _said = [0.0]  # numba's compiling seconds at the last closing line
 def _closing_line(out) -> str:
     t = out.timings
     rate = "" if t["decode_tokens_per_s"] is None else f"; decode {t['decode_tokens_per_s']:.1f} tokens/s"
-    # Compiling since the last line (most of it inside the times above): said, or a first run's rates mislead.
+    # Compiling since the last line, said once: generate leaves its seconds out of the times above.
     compiled, _said[0] = _numba_cache.compile_seconds() - _said[0], _numba_cache.compile_seconds()
-    compiled = f"; {compiled:.1f} s compiling kernels, once" if compiled >= 0.05 else ""
+    compiled = f"; and {compiled:.1f} s compiling kernels, once" if compiled >= 0.05 else ""
     return f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prefill {t['prompt_tokens']} prompt tokens in {t['prefill_s']:.2f} s{rate}{compiled}]"
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ... import flash as _flash
+from ..._numba_cache import compile_seconds
 from ..._checks import as_rng, check_ids
 from ..._parallel import blas_one_thread, scratch
 from ...attention import scaled_dot_product_attention
@@ -214,7 +215,9 @@ class GenerateOutput:
     stop_reason : {"eos", "stop", "length"}
     timings : dict
         ``prefill_s``, ``decode_s``, ``prompt_tokens``, ``new_tokens``,
-        ``decode_tokens_per_s`` (tokens after the first per second of decoding).
+        ``decode_tokens_per_s`` (tokens after the first per second of decoding), ``compile_s``
+        (seconds numba spent compiling qkv's kernels during the call, a first run's: left out of
+        ``prefill_s`` and ``decode_s``).
     """
 
     text: str
@@ -668,8 +671,10 @@ class CausalLM:
         eos = set(self.tokenizer.eos_ids if self.tokenizer is not None else ())
         n = len(rows)
         runs = [_Run(r) for r in rows]
-        t0 = time.perf_counter()
-        t_first = None
+        # numba's first compile of a kernel happens inside the first calls: its seconds are left out of
+        # prefill_s and decode_s (and given as compile_s), or a first run's rates would say nothing of qkv's
+        c0, t0 = compile_seconds(), time.perf_counter()
+        t_first = c_first = None
         if max_new_tokens:
             cache = self.new_cache()
             if n == 1:  # no padding: the plain path
@@ -683,7 +688,7 @@ class CausalLM:
                 for b, r in enumerate(rows):
                     ids[b, width - len(r) :], mask[b, width - len(r) :] = r, True
                 logits = self.forward(ids, cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]  # (n, V)
-            t_first = time.perf_counter()
+            t_first, c_first = time.perf_counter(), compile_seconds()
             # A step of a few rows pins BLAS to one thread (forward); pinned here once for the whole loop, each
             # step's own pin is a count: limiting BLAS's threads and restoring them cost 15-45 us a token.
             with blas_one_thread() if n <= SMALL_STEP_TOKENS else contextlib.nullcontext(), self._plan_fixed_while():
@@ -712,9 +717,11 @@ class CausalLM:
                     # forward's own checks and pin skipped: these ids are the sampler's (integers in range), and
                     # BLAS is pinned above (on one thread, 40-60 us a token with the caches cold from the weights)
                     logits = self._forward(np.array(toks, np.int64)[:, None], cache, mask, False, False, 1).logits[:, -1]
-        t1 = time.perf_counter()
-        prefill = (t_first or t1) - t0
-        decode = t1 - (t_first or t1)
+        t1, c1 = time.perf_counter(), compile_seconds()
+        if t_first is None:
+            t_first, c_first = t1, c1
+        prefill = (t_first - t0) - (c_first - c0)
+        decode = (t1 - t_first) - (c1 - c_first)
         outs = []
         for run in runs:
             text = self.tokenizer.decode(run.new) if self.tokenizer is not None else ""
@@ -732,6 +739,7 @@ class CausalLM:
                     "new_tokens": len(run.new),
                     "prefill_s": prefill,
                     "decode_s": decode,
+                    "compile_s": c1 - c0,
                     "decode_tokens_per_s": (len(run.new) - 1) / decode if len(run.new) > 1 and decode > 0 and steps == len(run.new) else None,
                     **({"batch": n} if n > 1 else {}),
                 },

@@ -256,6 +256,18 @@ def warn_truncated(lines: list[int], max_seq_length: int) -> None:
         warnings.warn(TruncationWarning(msg, lines[:1000], len(lines)), stacklevel=3)
 
 
+def _best_columns(s: np.ndarray, k: int) -> np.ndarray:  # (Q, n) scores, k < n -> (Q, k) columns
+    """The columns of each row's ``k`` best scores, ties at the k-th score to the earliest columns (a
+    partition alone picks among tied scores as its algorithm happens to: NumPy 1.26 picked later rows
+    than 2.x). NaN ranks below every score."""
+    key = np.where(np.isnan(s), -np.inf, s)
+    kth = -np.partition(-key, k - 1, axis=1)[:, k - 1 : k]  # (Q, 1): each row's k-th best score
+    above = key > kth  # fewer than k
+    level = key == kth
+    level &= np.cumsum(level, axis=1) <= k - above.sum(axis=1, keepdims=True)  # the earliest of the tied
+    return np.nonzero(above | level)[1].reshape(len(s), k)  # k a row, in column order
+
+
 class Index:
     """Exact cosine search over embeddings in a ``.npy`` (memory-mapped: it may exceed memory).
 
@@ -329,7 +341,7 @@ class Index:
         for start, block in self._blocks() if k else ():
             s = (qs @ block.T) / np.maximum(norms[start : start + len(block)], np.float32(1e-12))  # (Q, rows) cosines
             s[:, norms[start : start + len(block)] == 0] = -np.inf
-            top = np.argpartition(-s, k - 1, axis=1)[:, :k] if s.shape[1] > k else np.broadcast_to(np.arange(s.shape[1]), s.shape)
+            top = _best_columns(s, k) if s.shape[1] > k else np.broadcast_to(np.arange(s.shape[1]), s.shape)
             best_i = np.concatenate([best_i, top + start], axis=1)
             best_s = np.concatenate([best_s, np.take_along_axis(s, top, axis=1)], axis=1)
             order = np.lexsort((best_i, -best_s), axis=1)[:, :k]  # ties: the earlier row first

@@ -134,27 +134,30 @@ def test_index_ties_go_to_the_earlier_row(tmp_path):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_index_ties_go_to_the_earlier_row_whatever_the_partition_picks(seed, tmp_path):
-    """Rows of a few distinct directions, so that many rows tie at every rank and within every block:
-    the k best are those of a stable sort of the whole file's cosines (the earlier row first), whatever
-    the blocks and k, and NaN rows rank last. (NumPy 1.26's partition picked later tied rows.)"""
+    """Rows of a few directions, so that many rows tie at every rank and within every block: the k best
+    are those of a stable sort by each row's direction (the earlier row first), whatever the blocks and
+    k, and NaN scores rank last. (NumPy 1.26's partition picked later tied rows.) The ties are exact
+    whatever order BLAS sums in: small integers, scaled by powers of two, against queries of norm 2."""
     from qkv.models.corpus.index import _best_columns
 
     rng = np.random.default_rng(seed)
-    directions = rng.standard_normal((5, 8)).astype(np.float32)
-    v = directions[rng.integers(0, 5, 700)] * rng.choice([1.0, 2.0, 4.0], (700, 1)).astype(np.float32)  # the same cosine, other norms
-    v[rng.integers(0, 700, 20)] = 0  # blank lines: never results
+    # one norm for every direction (signed permutations of one vector): equal cosines are equal dot products
+    directions = np.array([rng.permutation([2, 1, 1, 0, 0, 0, 0, 0]) * rng.choice([-1, 1], 8) for _ in range(5)], np.float32)
+    which = rng.integers(0, 5, 700)
+    v = directions[which] * rng.choice([1.0, 2.0, 4.0], (700, 1)).astype(np.float32)  # the same cosine, other norms
+    blank = rng.integers(0, 700, 20)
+    v[blank] = 0  # blank lines: never results
     np.save(tmp_path / "t.npy", v)
-    q = directions[rng.integers(0, 5, 3)] + np.float32(0.5) * directions[0]
-    norms = np.linalg.norm(v, axis=1)
+    q = np.zeros((3, 8), np.float32)
+    q[0, :4], q[1, 4:], q[2, ::2] = 1, 1, (1, -1, 1, -1)  # norm 2: each query's halves are exact
     for block_rows in (64, 100, 700):
         index = Index(tmp_path / "t.npy", block_rows=block_rows)
         for k in (1, 3, 17, 90):
             rows, _ = index.search(q, k=k)
             for i in range(len(q)):
-                cos = np.where(norms > 0, (v @ q[i]) / np.maximum(norms, 1e-12), -np.inf) / np.linalg.norm(q[i])
-                cos = np.round(cos, 5)  # one value for each direction, whatever the row's norm
-                want = np.argsort(-cos, kind="stable")[:k]
-                np.testing.assert_array_equal(rows[i], want, err_msg=f"block_rows={block_rows} k={k}")
+                rank = np.where(np.isin(np.arange(700), blank), -np.inf, (directions @ q[i])[which])
+                want = np.argsort(-rank, kind="stable")[:k]
+                np.testing.assert_array_equal(rows[i], want, err_msg=f"block_rows={block_rows} k={k} query {i}")
     s = rng.integers(0, 3, (6, 50)).astype(np.float32)  # ties at every k
     s[0, :4] = np.nan
     for k in range(1, 50):

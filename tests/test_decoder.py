@@ -482,7 +482,7 @@ def test_compiling_is_left_out_of_the_rates(gemma, monkeypatch):
     t = out.timings
     assert len(calls) == 3 and t["compile_s"] == pytest.approx(3.0)
     assert 0 < t["prefill_s"] < 1.0 and 0 < t["decode_s"] < 1.0, t  # a second each would be there otherwise
-    assert out.token_ids == alone.token_ids and alone.timings["compile_s"] < 1.0
+    assert out.token_ids == alone.token_ids  # (alone may have compiled: a fresh cache; the same path then compiles nothing)
 
 
 def test_batched_generation_stops_each_row_on_its_own(gemma):

@@ -257,9 +257,9 @@ def warn_truncated(lines: list[int], max_seq_length: int) -> None:
 
 
 def _best_columns(s: np.ndarray, k: int) -> np.ndarray:  # (Q, n) scores, k < n -> (Q, k) columns
-    """The columns of each row's ``k`` best scores, ties at the k-th score to the earliest columns (a
-    partition alone picks among tied scores as its algorithm happens to: NumPy 1.26 picked later rows
-    than 2.x). NaN ranks below every score."""
+    """The columns of each row's ``k`` best scores, ties at the k-th score to the earliest columns (an
+    argpartition alone picks among tied scores as its algorithm happens to, later rows at times, on
+    NumPy 1.26 and 2.x alike). NaN ranks below every score."""
     key = np.where(np.isnan(s), -np.inf, s)
     kth = -np.partition(-key, k - 1, axis=1)[:, k - 1 : k]  # (Q, 1): each row's k-th best score
     above = key > kth  # fewer than k

@@ -260,12 +260,16 @@ def _best_columns(s: np.ndarray, k: int) -> np.ndarray:  # (Q, n) scores, k < n 
     """The columns of each row's ``k`` best scores, ties at the k-th score to the earliest columns (an
     argpartition alone picks among tied scores as its algorithm happens to, later rows at times, on
     NumPy 1.26 and 2.x alike). NaN ranks below every score."""
-    key = np.where(np.isnan(s), -np.inf, s)
-    kth = -np.partition(-key, k - 1, axis=1)[:, k - 1 : k]  # (Q, 1): each row's k-th best score
-    above = key > kth  # fewer than k
-    level = key == kth
-    level &= np.cumsum(level, axis=1) <= k - above.sum(axis=1, keepdims=True)  # the earliest of the tied
-    return np.nonzero(above | level)[1].reshape(len(s), k)  # k a row, in column order
+    n = s.shape[1]
+    key = np.where(np.isnan(s), -np.inf, s) if np.isnan(s).any() else s
+    kth = np.partition(key, n - k, axis=1)[:, n - k : n - k + 1]  # (Q, 1): each row's k-th best score
+    chosen = key >= kth  # k a row, and more where scores tie at the k-th
+    if (chosen.sum(axis=1) > k).any():
+        level = key == kth
+        above = chosen & ~level
+        level &= np.cumsum(level, axis=1) <= k - above.sum(axis=1, keepdims=True)  # the earliest of the tied
+        chosen = above | level
+    return np.nonzero(chosen)[1].reshape(len(s), k)  # in column order
 
 
 class Index:

@@ -55,6 +55,11 @@ def check_broadcast(arr: np.ndarray, target: tuple, name: str, target_name: str)
         raise ValueError(f"{name} shape should broadcast to {target_name} {tuple(target)}, got {arr.shape}")
 
 
+#: NumPy 2.1+ reshapes with ``copy=False`` (an error where it would copy); before, setting ``.shape`` did
+#: that (deprecated since 2.5).
+RESHAPE_NO_COPY = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
+
+
 def as_rows(x: np.ndarray) -> np.ndarray | None:
     """``x`` (..., E) seen as rows (N, E) without a copy, or None where only a copy would do.
 
@@ -62,17 +67,17 @@ def as_rows(x: np.ndarray) -> np.ndarray | None:
     ((6, 4), True)
     """
     width = x.shape[-1] if x.ndim else 1
-    try:
-        return np.reshape(x, (-1, width), copy=False)  # NumPy 2.1+: a ValueError where it would copy
-    except ValueError:
-        return None
-    except TypeError:  # older NumPy has no copy=; setting .shape refuses to copy (deprecated since 2.5)
-        rows = x.view()
+    if RESHAPE_NO_COPY:
         try:
-            rows.shape = (-1, width)
-        except AttributeError:
+            return x.reshape(-1, width, copy=False)
+        except ValueError:
             return None
-        return rows
+    rows = x.view()
+    try:
+        rows.shape = (-1, width)
+    except AttributeError:
+        return None
+    return rows
 
 
 def check_int(value, name: str, *, minimum: int | None = None) -> int:

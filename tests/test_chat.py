@@ -103,6 +103,16 @@ def test_stop_strings_cut_the_text_before_them(gemma):
         gemma.generate("x", stop=[""])
 
 
+def test_a_stop_string_longer_than_many_tokens_still_stops(gemma):
+    """Looked for in the whole new text: a window of the last 64 tokens had let a long stop string pass."""
+    full = gemma.generate("1, 2, 3, 4,", max_new_tokens=100)
+    stop = full.text[5:-5]  # about 90 tokens of counting
+    assert len(gemma.tokenizer.encode(stop, add_bos=False)) > 64
+    out = gemma.generate("1, 2, 3, 4,", max_new_tokens=100, stop=["never said", stop])
+    assert out.stop_reason == "stop" and out.text == full.text[:5]
+    assert len(out.token_ids) < len(full.token_ids)  # it stopped as the string ended, not at the length
+
+
 def test_repetition_penalty_and_min_p_follow_transformers(torch):
     """The logits processors against transformers' own, on random logits and histories."""
     from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor

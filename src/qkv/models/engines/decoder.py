@@ -43,6 +43,7 @@ from ...rope import apply_rope, rope_angles, rope_frequencies
 from ..errors import ModelError
 from .config import ModelConfig
 from .functional import ACTIVATIONS, gated_activation, rms_norm
+from .text_stream import TextStream
 from ..formats.quants import DIRECT_TOKENS, kernel_available, matmul
 
 #: Up to this many tokens a forward pass runs BLAS on one thread (decode steps, batched ones too).
@@ -199,6 +200,7 @@ class _Run:
     prompt: list
     new: list = field(default_factory=list)
     reason: str | None = None
+    text: TextStream | None = None  # the new text, kept as the tokens come, where stop strings are looked for
 
 
 @dataclass
@@ -670,7 +672,7 @@ class CausalLM:
             rows = [self._prompt_ids(prompt, "prompt")]
         eos = set(self.tokenizer.eos_ids if self.tokenizer is not None else ())
         n = len(rows)
-        runs = [_Run(r) for r in rows]
+        runs = [_Run(r, text=TextStream(self.tokenizer) if stop else None) for r in rows]
         # numba's first compile of a kernel happens inside the first calls: its seconds are left out of
         # prefill_s and decode_s (and given as compile_s), or a first run's rates would say nothing of qkv's
         c0, t0 = compile_seconds(), time.perf_counter()
@@ -701,10 +703,12 @@ class CausalLM:
                             run.new.append(tok)
                             if on_token is not None:
                                 on_token(tok)
+                            if run.text is not None:
+                                run.text.push(tok)
                             if stop_at_eos and tok in eos:
                                 run.reason = "eos"
-                            elif stop and any(x in self.tokenizer.decode(run.new[-64:]) for x in stop):  # a stop string ends within the last tokens
-                                run.reason = "stop"
+                            elif run.text is not None and any(x in run.text.text for x in stop):
+                                run.reason = "stop"  # (the whole text: a window of the last 64 tokens missed longer stop strings)
                             elif len(run.new) >= max_new_tokens:
                                 run.reason = "length"
                         toks.append(run.new[-1])  # a finished row repeats its last token, never read

@@ -238,3 +238,15 @@ def test_sampling_follows_the_distribution():
     assert nucleus == {0, 1}  # 0.5 < 0.75 <= 0.8: the first two
     assert {next_token(logits, temperature=1.0, top_p=0.5, rng=rng) for _ in range(100)} == {0}
     assert next_token(logits) == 0
+
+
+def test_a_window_wider_than_the_tokens_holds_only_the_tokens():
+    """A layer's buffers grow with what it holds, up to the window's room: a window of 2**40 from a file
+    would otherwise ask for 2**41 rows at the first token."""
+    rng = np.random.default_rng(0)
+    cache, plain = LayerCache(window=2**40), LayerCache()
+    for n in (3, 1, 1, 20):
+        k, v = rng.standard_normal((2, 2, n, 4)).astype(np.float32)
+        got, want = cache.update(k, v), plain.update(k, v)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        assert cache._k.shape[-2] <= max(16, 2 * cache.seen)

@@ -684,3 +684,72 @@ def test_every_lookup_by_id_refuses_what_would_wrap_or_truncate(tiny_q8):
         lm.tokenizer.token(True)  # Python would index with it as 1
     with pytest.raises(ValueError, match=rf"ids should lie in \[0, {V - 1}\], got -1"):
         lm.tokenizer.token(-1)
+
+
+# ------------------------------------------------------------------ a Hugging Face config.json is a file from anyone
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(torch, tmp_path_factory):
+    from test_decoder import _tiny
+
+    base = tmp_path_factory.mktemp("hf")
+    return {family: _tiny(family, torch, base)[1] for family in ("llama", "gemma3", "bloom")}
+
+
+def _hf_with(hf_dirs, family, changes, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / family
+    shutil.copytree(hf_dirs[family], d)
+    c = json.loads((d / "config.json").read_text())
+    c.update(changes)
+    (d / "config.json").write_text(json.dumps({k: v for k, v in c.items() if v is not None}))
+    return d
+
+
+@pytest.mark.parametrize("family, changes, match", [
+    ("llama", {"bos_token_id": -1}, r"field 'bos_token_id' should be a token id in \[0, 97\), got -1"),  # had failed at generate, blaming the prompt
+    ("llama", {"bos_token_id": 1.5}, r"field 'bos_token_id' should be a token id in \[0, 97\), got 1.5"),  # it had been truncated to 1
+    ("llama", {"eos_token_id": [2, 2**31]}, r"field 'eos_token_id' should be a token id or a list of them in \[0, 97\)"),
+    ("llama", {"eos_token_id": float("inf")}, "field 'eos_token_id'"),  # had been an OverflowError
+    ("llama", {"pad_token_id": {}}, "field 'pad_token_id'"),
+    ("llama", {"bos_token_id": "<s>"}, "field 'bos_token_id'"),  # had been int()'s own message, naming nothing
+    ("llama", {"num_key_value_heads": 3}, "num_heads 4 should be a multiple of num_kv_heads 3"),
+    ("llama", {"rope_theta": 1.0}, r"the RoPE base should be a finite number > 1, got \[1.0\]"),  # had been an error of the first forward pass
+    ("llama", {"num_hidden_layers": 10**30}, r"field 'num_hidden_layers' is 1,000,000,000,000,000,000,000,000,000,000, more layers than model.safetensors holds tensors"),
+    ("llama", {"head_dim": 2**31}, r"field 'head_dim' is 2,147,483,648, larger than any tensor of model.safetensors \(3,104\)"),
+    ("gemma3", {"sliding_window": 10**30}, r"a sliding window should be a whole number of tokens in \[1, 2\*\*62\]"),  # had failed inside numba
+    ("gemma3", {"rope_parameters": "fast"}, "field 'rope_parameters' should be an object, got 'fast'"),  # had been an AttributeError
+    ("gemma3", {"rope_parameters": {"full_attention": 5}}, "rope_parameters: field 'full_attention' should be an object, got 5"),
+    ("bloom", {"n_layer": None}, "missing field 'num_hidden_layers'"),  # had been a TypeError of None
+])  # fmt: skip
+def test_a_config_json_is_checked_at_load_and_its_errors_name_it(family, changes, match, hf_dirs, tmp_path):
+    d = _hf_with(hf_dirs, family, changes, tmp_path)
+    with pytest.raises(ModelError, match=match) as e:
+        load_causal_lm(d)
+    assert str(e.value).startswith(f"{d / 'config.json'}: ")
+
+
+def test_a_config_json_pad_of_minus_one_means_none(hf_dirs, tmp_path):
+    """Old Llama conversions say ``"pad_token_id": -1`` for "no padding token": read as none, never as an id."""
+    lm = load_causal_lm(_hf_with(hf_dirs, "llama", {"pad_token_id": -1}, tmp_path))
+    assert lm.tokenizer.pad_id is None
+    a, b = lm.generate(["w3 w5 w7", "w9"], max_new_tokens=3), lm.generate("w9", max_new_tokens=3)  # padding still works
+    assert a[1].token_ids == b.token_ids
+
+
+def test_an_encoder_decoder_config_checks_its_token_ids(torch, tmp_path):
+    import json
+
+    from test_seq2seq import _tiny_t5
+
+    from qkv.models import load_seq2seq_lm
+
+    d = _tiny_t5(torch, tmp_path)[1]
+    c = json.loads((d / "config.json").read_text())
+    for key, value in [("decoder_start_token_id", -1), ("decoder_start_token_id", 1.7), ("eos_token_id", [1, 2]), ("pad_token_id", 10**9)]:
+        (d / "config.json").write_text(json.dumps({**c, key: value}))
+        with pytest.raises(ModelError, match=rf"^{d / 'config.json'}: field '{key}' should be a token id in \[0, 64\), got "):
+            load_seq2seq_lm(d)

@@ -135,3 +135,11 @@ def test_from_torch_mha_inverts_multihead_attention_masks(torch):
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("L, S", [(3, 5), (6, 6), (5, 2)])
+def test_a_window_wider_than_the_sequences_limits_nothing_whatever_its_size(L, S):
+    """A reach of 10**30 (a model file's window) is no limit, as None is, not an OverflowError of NumPy's integers."""
+    for big in (L + S, 10**30):
+        assert np.array_equal(masks.sliding_window(L, S, left=big, right=big), masks.sliding_window(L, S, left=None, right=None))
+        assert np.array_equal(masks.sliding_window(L, S, left=big), masks.sliding_window(L, S, left=None))

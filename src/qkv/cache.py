@@ -168,9 +168,9 @@ class LayerCache:
         need = keep + n
         if self._k is None or self._end + n > self._k.shape[-2]:
             k, v = (self._k, self._v) if k is None else (k, v)
-            cap = max(need, 16) if self._k is None else max(need, 2 * self._k.shape[-2] if self.window is None else 0)
-            if self.window is not None:
-                cap = max(cap, 2 * (self.window - 1) + n)  # room to append before the next compaction
+            cap = max(need, 16) if self._k is None else max(need, 2 * self._k.shape[-2])
+            if self.window is not None:  # doubling up to the room to append before the next compaction (a
+                cap = max(need, min(cap, 2 * (self.window - 1) + n))  # window of 2**31 from a file is not memory)
             new_k = np.empty((*k.shape[:-2], cap, k.shape[-1]), k.dtype)
             new_v = np.empty((*v.shape[:-2], cap, v.shape[-1]), v.dtype)
             if keep:

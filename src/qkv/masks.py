@@ -123,10 +123,11 @@ def sliding_window(
     offset = _offset(L, S, alignment)
     _check_size(L, S)
     keep = np.ones((L, S), dtype=bool)
+    # a reach past L + S limits nothing: clipped there, a window of 10**30 (a model file's) fits NumPy's integers
     if right is not None:
-        keep &= np.tri(L, S, k=offset + check_int(right, "right", minimum=0), dtype=bool)
+        keep &= np.tri(L, S, k=offset + min(check_int(right, "right", minimum=0), L + S), dtype=bool)
     if left is not None:
-        keep &= ~np.tri(L, S, k=offset - check_int(left, "left", minimum=0) - 1, dtype=bool)
+        keep &= ~np.tri(L, S, k=offset - min(check_int(left, "left", minimum=0), L + S) - 1, dtype=bool)
     return keep
 
 

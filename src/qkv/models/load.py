@@ -13,6 +13,7 @@ loads an encoder-decoder directory of model type ``t5``, ``bart``,
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -57,6 +58,17 @@ def default_causal_lm_path() -> Path | None:
     return path
 
 
+@contextlib.contextmanager
+def _naming(source):
+    """An error of a model's config raised where the file is not known (a family's config checks) names it."""
+    try:
+        yield
+    except ModelError as exc:
+        if str(source) in str(exc):
+            raise
+        raise ModelError(f"{source}: {exc}") from None
+
+
 def _verified(path: Path, sha256: str, *, remember: bool = False) -> bool:
     """Whether ``path`` is the very file (same device, inode, size, mtime and ctime) that an earlier
     call recorded with ``remember=True`` after its bytes hashed to ``sha256``; with ``remember``,
@@ -93,7 +105,8 @@ def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:
     # The tokenizer after the config is checked, before the weights: its parser's peak (some 300 MB
     # for Gemma's vocabulary, given back when it is done) then does not come on top of the weights' pages.
     tokenizers = []
-    cfg, w = families.load_module(family).from_gguf(g, keep_quantized=keep_quantized, then=lambda cfg: tokenizers.append(tk.from_gguf(g, source=str(path))))
+    with _naming(path):
+        cfg, w = families.load_module(family).from_gguf(g, keep_quantized=keep_quantized, then=lambda cfg: tokenizers.append(tk.from_gguf(g, source=str(path))))
     tokenizer = tokenizers[0]
     # A file with tensors the model did not read (more blocks than block_count, say) is not this model.
     extra = sorted(set(g.tensors) - g.used)
@@ -134,14 +147,16 @@ def _load_hf(path: Path) -> CausalLM:
     get = FieldReader(c, str(cfg_file))
     family = families.find("causal", model_type=c.get("model_type"), source=str(cfg_file))
     t = TensorReader(path)  # t(name, shape): a checked float32 tensor
-    cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
+    t.check_sizes(c, str(cfg_file))
+    with _naming(cfg_file):
+        cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
     # A checkpoint whose tensors do not all fit the config (more layers than num_hidden_layers,
     # say) is not this model: refuse it rather than silently run part of it.
     ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
     extra = [n for n in t.unread() if n not in ignorable and not n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))]
     if extra:
         raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
-    tokenizer = tk.from_file(path / "tokenizer.json", c)
+    tokenizer = tk.from_file(path / "tokenizer.json", c, str(cfg_file))
     template, origin = None, f"{path}: chat template"
     if (path / "chat_template.jinja").is_file():
         template, origin = regular_file(path / "chat_template.jinja", "a chat template", max_bytes=1 << 20).read_text(encoding="utf-8"), str(path / "chat_template.jinja")
@@ -218,7 +233,9 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     family = families.find("seq2seq", model_type=c.get("model_type"), source=str(cfg_file))
     get = FieldReader(c, str(cfg_file))
     t = TensorReader(path)  # t(name, shape): a checked float32 tensor
-    cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
+    t.check_sizes(c, str(cfg_file))
+    with _naming(cfg_file):
+        cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
     embed = w.embed
     for name in ("model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight", "proj_out.weight", "lm_head.weight"):
         if name in t and name not in t.used and not np.array_equal(t.weights[name], embed):
@@ -228,6 +245,6 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     extra = [n for n in t.unread() if n not in copies]
     if extra:
         raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({len(extra)} unexpected tensors)")
-    tokenizer = tk.from_file(path / "tokenizer.json", {**c, "add_bos_token": False, "eos_token_id": cfg.eos_token_id}) if (path / "tokenizer.json").is_file() else None
+    tokenizer = tk.from_file(path / "tokenizer.json", {**c, "add_bos_token": False, "eos_token_id": cfg.eos_token_id}, str(cfg_file)) if (path / "tokenizer.json").is_file() else None
     model = w.model or Seq2SeqLM
     return model(cfg, *w.extra, embed, w.encoder, w.encoder_norm, w.decoder, w.decoder_norm, lm_head=w.lm_head, tokenizer=tokenizer, name=path.resolve().name, **w.parts)

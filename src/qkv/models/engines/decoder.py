@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -118,8 +119,12 @@ class DecoderConfig(ModelConfig):
             self._error(f"num_heads {self.num_heads} should be a multiple of num_kv_heads {self.num_kv_heads}")
         if len(self.windows) != self.num_layers:
             self._error(f"windows should have one entry per layer ({self.num_layers}), got {len(self.windows)}")
+        if any(w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral) or not 1 <= w <= MAX_WINDOW) for w in self.windows):
+            self._error(f"a sliding window should be a whole number of tokens in [1, 2**62], got {sorted({w for w in self.windows if w is not None})}")
         if self.rope and len(self.rope_bases) != self.num_layers:
             self._error(f"rope_bases should have one entry per layer ({self.num_layers}), got {len(self.rope_bases)}")
+        if self.rope and self.rope_frequencies is None and not all(isinstance(b, numbers.Real) and math.isfinite(b) and b > 1 for b in self.rope_bases):
+            self._error(f"the RoPE base should be a finite number > 1, got {sorted(set(self.rope_bases))}")
         if self.rope and self.head_dim % 2:
             self._error(f"head_dim should be even for RoPE, got {self.head_dim}")
         if not self.rope and not self.alibi and not self.max_positions:
@@ -191,6 +196,9 @@ class CausalLMOutput:
     logits: np.ndarray
     attentions: tuple | None = None
     hidden_states: tuple | None = None
+
+
+MAX_WINDOW = 2**62  #: the widest sliding window a config may give (the compiled kernels take it as an int64)
 
 
 @dataclass

@@ -92,23 +92,21 @@ def config_from_hf(c: dict, source: str, get) -> Seq2SeqConfig:
     if get("normalize_before", bool, False) or get("add_final_layer_norm", bool, False):
         raise ModelError(f"{source}: pre-norm BART variants (mBART's normalize_before) are not supported")
     marian = family == "marian"
-    eos = c.get("eos_token_id", 2)
-    forced = c.get("forced_eos_token_id")
-    if forced is not None and (isinstance(forced, bool) or not isinstance(forced, int) or not 0 <= forced < get("vocab_size", int)):
-        raise ModelError(f"{source}: forced_eos_token_id should be a token id below vocab_size, got {forced!r}")
+    V = get("vocab_size", int)
+    pad = get.token_id("pad_token_id", V, 1)
     return Seq2SeqConfig(
         family=family,
         **common,
         position="sinusoidal" if marian else "learned",
-        decoder_start_token_id=int(c.get("decoder_start_token_id", c.get("pad_token_id", 0) if marian else 2)),
-        eos_token_id=eos,
-        pad_token_id=c.get("pad_token_id", 1),
+        decoder_start_token_id=get.token_id("decoder_start_token_id", V, get.token_id("pad_token_id", V, 0) if marian else 2),
+        eos_token_id=get.token_id("eos_token_id", V, 2),
+        pad_token_id=pad,
         pre_norm=False,
         embed_scale=float(np.sqrt(E)) if get("scale_embedding", bool, marian) else 1.0,
         position_offset=0 if marian else 2,
         max_positions=get("max_position_embeddings", int, 1024),
         embed_norm=not marian,
-        forced_eos_token_id=forced,
+        forced_eos_token_id=get.token_id("forced_eos_token_id", V),
     )
 
 

@@ -27,9 +27,9 @@ __all__ = ["config_from_hf", "weights_from_hf"]
 
 def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
     """A ``bloom`` config.json; ``get(key, kind, default)`` reads and checks a field."""
-    E = get("hidden_size", int, c.get("n_embed"))
-    n = get("n_layer", int, c.get("num_hidden_layers"))
-    H = get("n_head", int, c.get("num_attention_heads"))
+    E = get("hidden_size", int, None) or get("n_embed", int)  # (either name: transformers reads both)
+    n = get("n_layer", int, None) or get("num_hidden_layers", int)
+    H = get("n_head", int, None) or get("num_attention_heads", int)
     if E % H:
         raise ModelError(f"{source}: hidden_size {E} should be a multiple of n_head {H}")
     if get("apply_residual_connection_post_layernorm", bool, False):

@@ -26,9 +26,9 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
     m = metadata.from_hf(c, get)
     n = m.num_layers
     windows = metadata.layer_windows(c, source, n, m.window, ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
-    rp = c.get("rope_parameters") or {}
-    if isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
-        raise ModelError(f"{source}: rope type {rp.get('rope_type')!r} is not supported (only 'default')")
+    rope_type = get.object("rope_parameters")("rope_type", str, "default")
+    if rope_type != "default":
+        raise ModelError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
     if get("attention_bias", bool, False):
         raise ModelError(f"{source}: attention_bias true is not supported for gemma2")
     if c.get("use_bidirectional_attention"):

@@ -102,10 +102,10 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
     n = m.num_layers
     pattern = None if c.get("layer_types") is not None else get("sliding_window_pattern", int, SLIDING_PATTERN)
     windows = metadata.layer_windows(c, source, n, m.window, None if pattern is None else ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)])
-    rp = c.get("rope_parameters") or {}
-    full_base = get("rope_theta", float, (rp.get("full_attention") or {}).get("rope_theta", 1_000_000.0))
-    local_base = get("rope_local_base_freq", float, (rp.get("sliding_attention") or {}).get("rope_theta", LOCAL_ROPE_BASE))
-    for kind, params in rp.items() if isinstance(rp, dict) else []:
+    rp = get.object("rope_parameters")  # transformers 5: {"full_attention": {...}, "sliding_attention": {...}}
+    full_base = get("rope_theta", float, rp.object("full_attention")("rope_theta", float, 1_000_000.0))
+    local_base = get("rope_local_base_freq", float, rp.object("sliding_attention")("rope_theta", float, LOCAL_ROPE_BASE))
+    for kind, params in rp.config.items():
         if isinstance(params, dict) and params.get("rope_type", "default") != "default":
             raise ModelError(f"{source}: rope_parameters.{kind}.rope_type {params.get('rope_type')!r} is not supported (only 'default')")
     if c.get("rope_scaling"):

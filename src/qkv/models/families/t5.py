@@ -50,9 +50,9 @@ def config_from_hf(c: dict, source: str, get) -> Seq2SeqConfig:
         max_distance=get("relative_attention_max_distance", int, 128),
         tie_embeddings=tie,
         output_scale=E**-0.5 if c.get("scale_decoder_outputs", tie) else 1.0,
-        decoder_start_token_id=int(c.get("decoder_start_token_id", 0) or 0),
-        eos_token_id=c.get("eos_token_id", 1),
-        pad_token_id=c.get("pad_token_id", 0),
+        decoder_start_token_id=get.token_id("decoder_start_token_id", get("vocab_size", int), 0),
+        eos_token_id=get.token_id("eos_token_id", get("vocab_size", int), 1),
+        pad_token_id=get.token_id("pad_token_id", get("vocab_size", int), 0),
     )
 
 

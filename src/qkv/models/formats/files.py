@@ -121,6 +121,45 @@ class FieldReader:
             raise ModelError(f"{self.source}: field {key!r} should be {bad}, got {v!r}")
         return kind(v)
 
+    def object(self, key: str) -> "FieldReader":
+        """A field holding an object (``rope_parameters``), read by a reader of its own; missing: an empty one.
+
+        >>> FieldReader({"rope_parameters": {"rope_theta": 1e6}}, "config.json").object("rope_parameters")("rope_theta", float)
+        1000000.0
+        >>> FieldReader({"rope_parameters": "fast"}, "config.json").object("rope_parameters")
+        Traceback (most recent call last):
+        ...
+        qkv.models.errors.ModelError: config.json: field 'rope_parameters' should be an object, got 'fast'
+        """
+        v = self.config.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise ModelError(f"{self.source}: field {key!r} should be an object, got {v!r}")
+        return FieldReader(v or {}, f"{self.source}: {key}")
+
+    def token_id(self, key: str, vocab_size: int, default=None, *, many: bool = False):
+        """A token id the config names (``bos_token_id``, ...): an integer in [0, vocab_size), else a
+        :class:`ModelError` (a float is never truncated, a negative id never wraps to the table's end).
+
+        With ``many``, a list of ids is read as well as one, and a tuple is returned. ``None`` (or the
+        key missing) gives ``default``.
+
+        >>> get = FieldReader({"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": -1}, "config.json")
+        >>> get.token_id("bos_token_id", 262144), get.token_id("eos_token_id", 262144, many=True)
+        (2, (1, 106))
+        >>> get.token_id("pad_token_id", 262144)
+        Traceback (most recent call last):
+        ...
+        qkv.models.errors.ModelError: config.json: field 'pad_token_id' should be a token id in [0, 262144), got -1
+        """
+        v = self.config.get(key)
+        if v is None:
+            return default
+        ids = v if many and isinstance(v, list) else [v]
+        if (many and not ids) or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size for i in ids):
+            what = "a token id or a list of them" if many else "a token id"
+            raise ModelError(f"{self.source}: field {key!r} should be {what} in [0, {vocab_size}), got {v!r}")
+        return tuple(int(i) for i in ids) if many else int(v)
+
 
 class TensorReader:
     """The tensors of a directory's ``model.safetensors``, each read checked: ``t(name, shape)`` gives it
@@ -140,6 +179,24 @@ class TensorReader:
         except Exception as exc:  # truncated, foreign, or bf16 (NumPy has no bfloat16)
             raise ModelError(f"{self.file}: cannot read safetensors ({exc}); qkv needs float32 or float16 tensors") from None
         self.used: set = set()
+
+    #: The config fields that count layers, in the families qkv reads: each layer has tensors of its own.
+    LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
+    #: The config fields that size tensors: none can exceed the largest tensor's number of values.
+    DIMENSIONS = ("hidden_size", "n_embd", "n_embed", "d_model", "intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim",
+                  "head_dim", "d_kv", "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "vocab_size", "num_local_experts")  # fmt: skip
+
+    def check_sizes(self, config: dict, source: str) -> None:
+        """Refuse a size the file cannot hold before a config sizes anything by it: a
+        ``num_hidden_layers`` of 10**30 would be a tuple of that many windows, a ``head_dim`` of 2**31
+        a RoPE table of 4 GiB, long before a tensor's shape said the file has no such model."""
+        largest = max((w.size for w in self.weights.values()), default=0)
+        for keys, most, what in ((self.LAYER_COUNTS, len(self.weights), f"more layers than {self.file.name} holds tensors"),
+                                 (self.DIMENSIONS, largest, f"larger than any tensor of {self.file.name}")):  # fmt: skip
+            for key in keys:
+                v = config.get(key)
+                if isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > most:
+                    raise ModelError(f"{source}: field {key!r} is {v:,}, {what} ({most:,})")
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights

@@ -59,8 +59,7 @@ def from_hf(c: dict, get, *, norm_eps: float = 1e-6, rope_base: float = 10000.0)
     """
     E = get("hidden_size", int)
     H = get("num_attention_heads", int)
-    rp = c.get("rope_parameters")
-    base = rp.get("rope_theta", rope_base) if isinstance(rp, dict) else rope_base
+    base = get.object("rope_parameters")("rope_theta", float, rope_base)
     return LlamaLike(
         num_layers=get("num_hidden_layers", int),
         hidden_size=E,

@@ -418,14 +418,15 @@ def _recipe(gguf, source: str, model: str, gemma: bool, types: list, unk, scores
     return description, build
 
 
-def from_file(path: Path, config: dict) -> TextTokenizer:
+def from_file(path: Path, config: dict, source: str | None = None) -> TextTokenizer:
     """The tokenizer of a Hugging Face directory (``tokenizer.json``), BOS as the config says.
 
     The file's own post-processor (which may add BOS) is replaced: BOS is
     added by :meth:`TextTokenizer.encode`, once, where the model family
-    expects it.
+    expects it. The config's BOS, EOS and padding ids (``source``: its file, for errors) are
+    checked against its ``vocab_size`` (the tokenizer's size where it has none).
     """
-    from .files import MAX_JSON_BYTES, regular_file
+    from .files import MAX_JSON_BYTES, FieldReader, regular_file
 
     tk = _tokenizers()
     # A FIFO, a link to /dev/zero or a huge file stops here; bad JSON is the parser's error, wrapped below.
@@ -436,15 +437,15 @@ def from_file(path: Path, config: dict) -> TextTokenizer:
         raise ModelError(f"{path}: cannot read tokenizer ({exc})") from None
     tok.no_padding()
     tok.no_truncation()
-    add_bos = bool(config.get("add_bos_token", False))
-    bos = config.get("bos_token_id")
-    eos = config.get("eos_token_id")
-    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    get = FieldReader(config, source or str(Path(path).parent / "config.json"))
+    n = get("vocab_size", int, None) or tok.get_vocab_size(with_added_tokens=True)
+    bos = get.token_id("bos_token_id", n)
+    eos = get.token_id("eos_token_id", n, (), many=True)
     return TextTokenizer(
         tok,
-        bos_id=None if bos is None else int(bos),
-        eos_id=None if not eos_list else int(eos_list[0]),
-        pad_id=config.get("pad_token_id"),
-        add_bos=add_bos,
-        eos_ids=[int(e) for e in eos_list],
+        bos_id=bos,
+        eos_id=eos[0] if eos else None,
+        pad_id=None if config.get("pad_token_id") == -1 else get.token_id("pad_token_id", n),  # -1: "none" in old Llama conversions
+        add_bos=get("add_bos_token", bool, False),
+        eos_ids=eos,
     )

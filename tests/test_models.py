@@ -330,6 +330,54 @@ def test_loader_errors_name_the_file_and_tensor(tmp_path, setup, match):
         load_model(tmp_path)
 
 
+def _sentence_files(p, pooling=None, modules=None, sentence=None):
+    import json
+
+    if pooling is not None:
+        (p / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    if modules is not None:
+        (p / "modules.json").write_text(json.dumps(modules))
+    if sentence is not None:
+        (p / "sentence_bert_config.json").write_text(json.dumps(sentence))
+
+
+@pytest.mark.parametrize("files, match", [
+    ({"pooling": {"pooling_mode_mean_tokens": 3}}, r"1_Pooling/config.json: field 'pooling_mode_mean_tokens' should be true or false, got 3"),  # had been read as true
+    ({"pooling": {"pooling_mode_mean_tokens": False, "pooling_mode_cls_token": "yes"}}, "field 'pooling_mode_cls_token' should be true or false"),
+    ({"pooling": {"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": True}}, r"qkv supports exactly one of .*, got \['mean', 'pooling_mode_lasttoken'\]"),
+    ({"sentence": {"max_seq_length": 12, "do_lower_case": float("nan")}}, "sentence_bert_config.json: field 'do_lower_case' should be true or false, got nan"),
+    ({"modules": [{"path": "../elsewhere", "type": "sentence_transformers.models.Pooling"}]}, r"a module's path should lie inside the model directory, got '../elsewhere'"),
+    ({"modules": [{"path": "/etc", "type": "sentence_transformers.models.Pooling"}]}, "a module's path should lie inside the model directory, got '/etc'"),
+])  # fmt: skip
+def test_sentence_transformers_files_are_checked_by_name(files, match, tmp_path):
+    write_tiny(tmp_path)
+    _sentence_files(tmp_path, **files)
+    with pytest.raises(ModelError, match=match):
+        load_model(tmp_path)
+
+
+def test_do_lower_case_lowers_the_texts_as_sentence_transformers_does(model_dir, tmp_path, torch):
+    """A model whose sentence_bert_config.json says do_lower_case: sentence-transformers lowers each text
+    before its tokenizer (all-MiniLM-L6-v2's tokenizer lowers too, so its copy below is given a cased one)."""
+    import json
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    d = tmp_path / "cased"
+    shutil.copytree(model_dir, d)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["normalizer"]["lowercase"] = False  # a cased tokenizer: 'Paris' and 'paris' now differ
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    texts = ["Paris is the capital of FRANCE.", "paris is the capital of france."]
+    cased = load_model(d).encode(texts)
+    assert np.abs(cased[0] - cased[1]).max() > 1e-3  # the case matters to this tokenizer
+    sb = json.loads((d / "sentence_bert_config.json").read_text())
+    (d / "sentence_bert_config.json").write_text(json.dumps({**sb, "do_lower_case": True}))
+    ours, want = load_model(d).encode(texts), SentenceTransformer(str(d), device="cpu").encode(texts, convert_to_numpy=True)
+    assert np.abs(ours - want).max() < 1e-5 and np.abs(ours[0] - ours[1]).max() < 1e-6
+
+
 def test_plain_model_directory_mean_pools_without_normalising(tmp_path):
     write_tiny(tmp_path, sentence=False)
     enc = load_model(tmp_path)

@@ -106,8 +106,9 @@ class SentenceEncoder:
     Build it with :func:`load_model`.
     """
 
-    def __init__(self, model: BertModel, tokenizer, *, max_seq_length: int, pooling: str = "mean", normalize: bool = False, path: Path | None = None, name: str | None = None):
+    def __init__(self, model: BertModel, tokenizer, *, max_seq_length: int, pooling: str = "mean", normalize: bool = False, path: Path | None = None, name: str | None = None, lowercase: bool = False):
         self.model = model
+        self.lowercase = lowercase  # sentence_bert_config.json's do_lower_case: texts lowered before the tokenizer
         self.name = name or (path.name if path is not None else "model")
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
@@ -134,7 +135,7 @@ class SentenceEncoder:
     def _encode(self, texts: list[str], *, stacklevel: int, first: int = 0) -> list:
         """The tokenizer's encodings (padded on the right to the longest), one warning per truncated text
         (numbered from ``first``)."""
-        encodings = self.tokenizer.encode_batch(texts)
+        encodings = self.tokenizer.encode_batch([t.lower() for t in texts] if self.lowercase else texts)
         for i, enc in enumerate(encodings):
             if enc.overflowing:
                 short = texts[i] if len(texts[i]) <= 40 else texts[i][:37] + "..."
@@ -254,21 +255,28 @@ def load_model(path=None) -> SentenceEncoder:
     except Exception as exc:
         raise ModelError(f"{tok_file}: cannot read tokenizer ({exc})") from None
 
-    max_len, pooling, normalize = config.max_position_embeddings, "mean", False
+    max_len, pooling, normalize, lowercase = config.max_position_embeddings, "mean", False, False
     if (path / "sentence_bert_config.json").exists():
         sb = path / "sentence_bert_config.json"
-        max_len = FieldReader(read_json(sb), str(sb))("max_seq_length", int, max_len)
+        get = FieldReader(read_json(sb), str(sb))
+        max_len = get("max_seq_length", int, max_len)
+        lowercase = get("do_lower_case", bool, False)  # sentence-transformers lowers the texts itself then
     if (path / "modules.json").exists():
         for module in read_json(path / "modules.json", want=list):
             if not isinstance(module, dict) or not isinstance(module.get("type", ""), str) or not isinstance(module.get("path", ""), str):
                 raise ModelError(f"{path / 'modules.json'}: each module should be an object with string 'type' and 'path', got {module!r}")
             kind = module.get("type", "")
             if kind.endswith("Pooling"):
-                pcfg = read_json(path / module.get("path", "") / "config.json")
-                modes = [mode for key, mode in _POOLING_MODES.items() if pcfg.get(key)]
-                other = [k for k, v in pcfg.items() if k.startswith("pooling_mode") and v and k not in _POOLING_MODES]
-                if len(modes) != 1 or other:
-                    raise ModelError(f"{path / module.get('path', '') / 'config.json'}: qkv supports exactly one of {sorted(_POOLING_MODES)}, got {modes + other}")
+                where = module.get("path", "")
+                if Path(where).is_absolute() or ".." in Path(where).parts:  # a module's files are the model's own
+                    raise ModelError(f"{path / 'modules.json'}: a module's path should lie inside the model directory, got {where!r}")
+                pfile = path / where / "config.json"
+                pcfg = read_json(pfile)
+                get = FieldReader(pcfg, str(pfile))
+                flags = [k for k in pcfg if k.startswith("pooling_mode")]
+                modes = [_POOLING_MODES.get(k, k) for k in flags if get(k, bool)]  # true or false, nothing else
+                if len(modes) != 1 or modes[0] not in _POOLING_MODES.values():
+                    raise ModelError(f"{pfile}: qkv supports exactly one of {sorted(_POOLING_MODES)}, got {modes}")
                 pooling = modes[0]
             elif kind.endswith("Normalize"):
                 normalize = True
@@ -278,4 +286,4 @@ def load_model(path=None) -> SentenceEncoder:
         raise ModelError(f"{path}: max_seq_length {max_len} exceeds max_position_embeddings {config.max_position_embeddings}")
     if name is None:
         name = path.resolve().name
-    return SentenceEncoder(model, tokenizer, max_seq_length=max_len, pooling=pooling, normalize=normalize, path=path, name=name)
+    return SentenceEncoder(model, tokenizer, max_seq_length=max_len, pooling=pooling, normalize=normalize, path=path, name=name, lowercase=lowercase)

@@ -753,3 +753,18 @@ def test_an_encoder_decoder_config_checks_its_token_ids(torch, tmp_path):
         (d / "config.json").write_text(json.dumps({**c, key: value}))
         with pytest.raises(ModelError, match=rf"^{d / 'config.json'}: field '{key}' should be a token id in \[0, 64\), got "):
             load_seq2seq_lm(d)
+
+
+def test_a_tokenizer_that_panics_is_a_value_error_not_a_base_exception(hf_dirs, tmp_path):
+    """A tokenizer.json whose split pattern backtracks past Oniguruma's limit makes the Rust library panic:
+    pyo3's PanicException is a BaseException, which ``except Exception`` (a server's stepping thread) lets pass."""
+    import json
+
+    d = _hf_with(hf_dirs, "llama", {}, tmp_path)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": False}
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    lm = load_causal_lm(d)
+    assert lm.tokenizer.encode("w3 w5") == lm.tokenizer.encode("w3 w5")  # short texts are fine
+    with pytest.raises(ValueError, match="the model's tokenizer failed on this text"):
+        lm.generate("a" * 40 + "b", max_new_tokens=1)

@@ -22,6 +22,7 @@ from ..._parallel import run_all
 from .bert import BertConfig, BertModel, BertOutput
 from ..errors import ModelError, TruncationWarning
 from ..formats.files import MAX_JSON_BYTES, FieldReader, model_path, read_json, regular_file
+from ..formats.tokenizer import tokenizer_call
 
 __all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE"]
 
@@ -135,7 +136,7 @@ class SentenceEncoder:
     def _encode(self, texts: list[str], *, stacklevel: int, first: int = 0) -> list:
         """The tokenizer's encodings (padded on the right to the longest), one warning per truncated text
         (numbered from ``first``)."""
-        encodings = self.tokenizer.encode_batch([t.lower() for t in texts] if self.lowercase else texts)
+        encodings = tokenizer_call(self.tokenizer.encode_batch, [t.lower() for t in texts] if self.lowercase else texts)
         for i, enc in enumerate(encodings):
             if enc.overflowing:
                 short = texts[i] if len(texts[i]) <= 40 else texts[i][:37] + "..."

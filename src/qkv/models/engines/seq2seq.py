@@ -36,6 +36,7 @@ from ...attention import scaled_dot_product_attention
 from ...cache import KVCache
 from .decoder import check_token_ids
 from ..errors import ModelError
+from ..formats.tokenizer import tokenizer_call
 from .config import ModelConfig
 from .functional import ACTIVATIONS, gated_activation
 
@@ -453,7 +454,7 @@ class Seq2SeqLM:
         if isinstance(source, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
-            source = self.tokenizer.backend.encode(source).ids  # the file's own special tokens (T5: text </s>; BART: <s> text </s>)
+            source = tokenizer_call(self.tokenizer.backend.encode, source).ids  # the file's own special tokens (T5: text </s>; BART: <s> text </s>)
         return self._ids(source, "source")
 
     def _beam_search(self, hidden, max_new_tokens, k, length_penalty, early_stopping):

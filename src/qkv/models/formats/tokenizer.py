@@ -19,7 +19,7 @@ import numpy as np
 from ..._checks import check_id
 from ..errors import ModelError
 
-__all__ = ["TextTokenizer", "from_gguf", "from_file"]
+__all__ = ["TextTokenizer", "from_gguf", "from_file", "tokenizer_call"]
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -31,6 +31,23 @@ def _tokenizers():
     except ImportError:
         raise ImportError("qkv.models needs tokenizers: pip install 'qkv[models]'") from None
     return tokenizers
+
+
+def tokenizer_call(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a call into the ``tokenizers`` library, where a Rust panic is a ``ValueError``.
+
+    A panic inside the library comes to Python as pyo3's ``PanicException``, a ``BaseException``
+    that ``except Exception`` lets pass: a ``tokenizer.json`` whose split pattern backtracks past
+    Oniguruma's retry limit on some text (``(a+)+$``) would otherwise end a server's stepping thread.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        raise
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ValueError(f"the model's tokenizer failed on this text ({str(exc).strip()[:200]})") from None
 
 
 class TextTokenizer:
@@ -69,14 +86,14 @@ class TextTokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text should be a str, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = tokenizer_call(self.backend.encode, text, add_special_tokens=False).ids
         bos = self.add_bos if add_bos is None else bool(add_bos) and self.bos_id is not None
         return [self.bos_id, *ids] if bos else list(ids)
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` (special tokens such as BOS left out by default)."""
         ids = [self._id(i) for i in ids]
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return tokenizer_call(self.backend.decode, ids, skip_special_tokens=skip_special_tokens)
 
     def token(self, i: int) -> str:
         """The vocabulary entry of id ``i`` (for labels in pictures)."""

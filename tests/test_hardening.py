@@ -578,6 +578,24 @@ def test_a_truncated_wav_names_the_path(tmp_path):
             read_wav(tmp_path / "t.wav")
 
 
+def test_a_wav_whose_chunk_points_past_its_end_is_a_value_error(tmp_path):
+    """Python's wave module raises a bare RuntimeError when a chunk's size points past the file."""
+    import struct
+    import wave
+
+    from qkv.models.families.whisper import read_wav
+
+    with wave.open(str(tmp_path / "a.wav"), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(b"\x01\x00" * 160)
+    raw = bytearray((tmp_path / "a.wav").read_bytes())
+    raw[16:20] = struct.pack("<I", 2**31)  # the fmt chunk's size
+    (tmp_path / "b.wav").write_bytes(raw)
+    with pytest.raises(ValueError, match="b.wav: not a PCM WAV file qkv can read"):
+        read_wav(tmp_path / "b.wav")
+    with pytest.raises(ValueError, match="cannot read"):
+        read_wav(tmp_path)  # a directory
+
+
 def test_a_missing_seq2seq_directory_says_so():
     from qkv.models import load_seq2seq_lm
 

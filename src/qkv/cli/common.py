@@ -202,7 +202,9 @@ def _seq2seq_source(lm, text: str, what: str):
             raise CLIError(f"a Whisper model listens: {what} should be a .wav file (16 kHz), got {text!r}")
         audio, rate = read_wav(text)
         return lm.features(audio, sampling_rate=rate)  # (1, n_mels, 3000)
-    return lm.tokenizer.backend.encode(text).ids  # the file's own special tokens (T5: text </s>)
+    from ..models.formats.tokenizer import tokenizer_call
+
+    return tokenizer_call(lm.tokenizer.backend.encode, text).ids  # the file's own special tokens (T5: text </s>)
 
 
 def _load_seq2seq(model_arg, command: str):

@@ -113,6 +113,10 @@ def read_wav(path) -> tuple[np.ndarray, int]:  # -> (samples,) float32 in [-1, 1
             data = f.readframes(n)
     except (wave.Error, EOFError) as exc:
         raise ValueError(f"{path}: not a PCM WAV file qkv can read ({exc or 'the file ends inside its header'})") from None
+    except RuntimeError:  # the wave module's own, where a chunk's size points past the file
+        raise ValueError(f"{path}: not a PCM WAV file qkv can read (a chunk's size points past the end of the file)") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if len(data) != n * width * channels:
         raise ValueError(f"{path}: truncated: its header says {n:,} frames, the file holds {len(data) // max(1, width * channels):,}")
     if width == 3:  # 24-bit: widen each sample to 32 bits

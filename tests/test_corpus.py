@@ -166,6 +166,23 @@ def test_index_ties_go_to_the_earlier_row_whatever_the_partition_picks(seed, tmp
         np.testing.assert_array_equal(_best_columns(s, k), want)
 
 
+@pytest.mark.parametrize("damage", ["python2 header", "no columns", "objects"])
+def test_a_damaged_or_foreign_npy_is_a_value_error_naming_it(damage, tmp_path):
+    """np.load's own errors are not all ValueErrors: a header it cannot parse falls back to a Python 2
+    reading that raises tokenize's TokenError."""
+    p = tmp_path / "e.npy"
+    if damage == "objects":
+        np.save(p, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    else:
+        np.save(p, np.zeros((4, 0 if damage == "no columns" else 3), np.float32))
+        if damage == "python2 header":
+            raw = bytearray(p.read_bytes())
+            raw[10:14] = b"(((("  # the header's dict opened by unclosed brackets
+            p.write_bytes(raw)
+    with pytest.raises(ValueError, match=f"{p}"):
+        Index(p).search(np.ones(3, np.float32), k=1)
+
+
 def test_embed_and_search_commands(tmp_path):
     lines = ["The river bank was steep.", "I deposited cash at the bank.", "", "Dogs bark at night.", "The stock market fell."]
     src = write(tmp_path, lines)

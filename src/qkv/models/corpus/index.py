@@ -291,11 +291,11 @@ class Index:
         if magic != b"\x93NUMPY":
             raise ValueError(f"{self.path} is not a .npy file (it does not start as one): an index is the .npy that qkv embed --input FILE --output FILE.npy writes; the text file goes in --texts")
         try:
-            self.vectors = np.load(self.path, mmap_mode="r")
-        except ValueError as exc:  # a .npy of objects, or a damaged header
-            raise ValueError(f"{self.path} is not a .npy of embeddings made by qkv embed ({exc})") from None
-        if self.vectors.ndim != 2 or self.vectors.dtype.kind != "f":
-            raise ValueError(f"{self.path}: embeddings should be a float (N, E) array, got shape {self.vectors.shape} dtype {self.vectors.dtype}")
+            self.vectors = np.load(self.path, mmap_mode="r")  # allow_pickle stays False: a .npy of objects is refused
+        except Exception as exc:  # a damaged header: NumPy's ValueError, or tokenize's TokenError from its Python 2 fallback
+            raise ValueError(f"{self.path} is not a .npy of embeddings made by qkv embed ({type(exc).__name__}: {exc})") from None
+        if self.vectors.ndim != 2 or self.vectors.dtype.kind != "f" or self.vectors.shape[1] < 1:
+            raise ValueError(f"{self.path}: embeddings should be a float (N, E) array with E >= 1, got shape {self.vectors.shape} dtype {self.vectors.dtype}")
         self.block_rows = block_rows
         self._norms = None  # (N,) float32, computed on the first search: later ones read each row once
 

@@ -95,6 +95,9 @@ def test_bad_bytes_and_jsonl(encoder, tmp_path):
     js.write_text('{"text": "a"}\n{"title": "b"}\n')
     with pytest.raises(ValueError, match="line 2 has no string field 'text'"):
         list(iter_texts(js, format="jsonl"))
+    js.write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")  # had been a RecursionError
+    with pytest.raises(ValueError, match="c.jsonl: line 2 nests JSON deeper than Python's parser goes"):
+        list(iter_texts(js, format="jsonl"))
 
 
 def test_index_search_is_exact(tmp_path):

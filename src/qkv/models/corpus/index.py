@@ -80,6 +80,8 @@ def iter_texts(path, *, format: str = "text", field: str = "text", errors: str =
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{source}: line {number} is not JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:  # arrays or objects nested thousands deep: no text's record
+                raise ValueError(f"{source}: line {number} nests JSON deeper than Python's parser goes") from None
             text = obj.get(field) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise ValueError(f"{source}: line {number} has no string field {field!r} (pass --field NAME)")

@@ -192,6 +192,30 @@ def test_save_load_round_trip_and_bad_files(tmp_path):
         tr.load(tmp_path / "bad.safetensors")
 
 
+@pytest.mark.parametrize("config, match", [
+    ('{"vocab": 1099511627776, "length": 8, "dim": 16, "heads": 2, "layers": 1}', r"field 'vocab' is 1,099,511,627,776, larger than any tensor of the file"),  # had allocated 16 TiB
+    ('{"vocab": 12, "length": 8, "dim": 16, "heads": 2, "layers": 2147483648}', "field 'layers' is 2,147,483,648, more layers than the file holds tensors"),  # had looped
+    ('{"vocab": 12, "length": 8, "extra": 1}', r"unknown fields \['extra'\]"),
+    ('{"vocab": "12", "length": 8}', "field 'vocab' should be a positive integer, got '12'"),
+    ('{"vocab": 12, "length": 8, "dtype": "object"}', "field 'dtype' should be 'float32' or 'float64'"),
+    ('{"vocab": 12, "length": 8, "dim": 16, "heads": 3}', "dim 16 should be a multiple of heads 3"),
+    ("[1]", "should be a JSON object, got list"),
+    ("[" * 50_000 + "]" * 50_000, r"not JSON \(RecursionError\)"),
+])  # fmt: skip
+def test_a_saved_models_config_is_checked_before_a_parameter_is_made(config, match, tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from qkv.models import ModelError
+
+    path = tr.TinyTransformer(tr.ModelConfig(vocab=12, length=8, dim=16, heads=2, layers=1)).save(tmp_path / "m.safetensors")
+    with safe_open(str(path), framework="numpy") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, "qkv.train.config": config})
+    with pytest.raises(ModelError, match=f"m.safetensors: qkv.train.config: {match}"):
+        tr.load(path)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

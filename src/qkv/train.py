@@ -337,6 +337,42 @@ class TinySeq2Seq:
     save = TinyTransformer.save
 
 
+def _saved_config(text: str, source: str, tensors: dict) -> ModelConfig:
+    """The :class:`ModelConfig` a saved file's metadata holds, every field checked before a parameter is
+    made: sizes no larger than the file's largest tensor, layers no more than its tensors (a file
+    saying 2**40 layers or words had allocated, or looped, before a tensor's shape was compared)."""
+    from dataclasses import fields
+
+    from .models.errors import ModelError
+    from .models.formats.files import FieldReader
+
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ModelError(f"{source}: not JSON ({type(exc).__name__})") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{source}: should be a JSON object, got {type(raw).__name__}")
+    names = [f.name for f in fields(ModelConfig)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise ModelError(f"{source}: unknown fields {unknown}; a ModelConfig has {names}")
+    get, defaults = FieldReader(raw, source), ModelConfig(vocab=1, length=1)
+    values = {n: get(n, int) if n in ("vocab", "length") else get(n, int, getattr(defaults, n)) for n in ("vocab", "length", "dim", "heads", "layers", "mlp_hidden")}
+    values["mlp"] = get("mlp", bool, defaults.mlp)
+    values["dtype"] = get("dtype", str, defaults.dtype)
+    if values["dtype"] not in ("float32", "float64"):
+        raise ModelError(f"{source}: field 'dtype' should be 'float32' or 'float64', got {values['dtype']!r}")
+    largest = max((t.size for t in tensors.values()), default=0)
+    for n in ("vocab", "length", "dim", "heads", "mlp_hidden"):
+        if values[n] > largest:
+            raise ModelError(f"{source}: field {n!r} is {values[n]:,}, larger than any tensor of the file ({largest:,} values)")
+    if values["layers"] > len(tensors):
+        raise ModelError(f"{source}: field 'layers' is {values['layers']:,}, more layers than the file holds tensors ({len(tensors)})")
+    if values["dim"] % values["heads"]:
+        raise ModelError(f"{source}: dim {values['dim']} should be a multiple of heads {values['heads']}")
+    return ModelConfig(**values)
+
+
 def load(path):
     """A :class:`TinyTransformer` or :class:`TinySeq2Seq` saved by its ``save`` (or ``qkv train``)."""
     from safetensors import safe_open
@@ -356,7 +392,7 @@ def load(path):
     kind = meta.get("qkv.train.model", "TinyTransformer")  # files from before encoder-decoders name none
     if kind not in kinds:
         raise ModelError(f"{path}: qkv.train.model {kind!r} should be one of {sorted(kinds)}")
-    model = kinds[kind](ModelConfig(**json.loads(meta["qkv.train.config"])))
+    model = kinds[kind](_saved_config(meta["qkv.train.config"], f"{path}: qkv.train.config", tensors))
     for name, value in tensors.items():
         if name not in model.params or model.params[name].shape != value.shape:
             raise ModelError(f"{path}: tensor {name!r} {value.shape} does not fit the config")

@@ -11,8 +11,8 @@ import pytest
 from qkv import Embedding, MultiHeadAttention, Vocabulary, sinusoidal_position_encoding, tokenize
 
 
-def run(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+def run(*args, cwd=None, env=None, input=None):
+    return subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120, input=input)
 
 
 def test_demo_json_matches_the_library(tmp_path):
@@ -219,6 +219,18 @@ def test_attention_of_a_decoder_draws_its_windows(tmp_path):
     png = tmp_path / "attention_layer5.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tokens:" in r.stdout
+
+
+def test_attention_refuses_a_text_whose_weights_would_not_fit_before_running(tmp_path):
+    """Every layer's weights come back at once, L**2 a head: 3,001 tokens of Gemma 3 270M had held 6.8 GB."""
+    from qkv.cli.attention import MAX_WEIGHT_BYTES
+
+    text = " ".join(["word"] * 3000)  # 3,001 tokens with BOS: 18 layers x 4 heads x 3,001**2 x 4 bytes
+    need = 18 * 4 * 3001**2 * 4
+    assert need > MAX_WEIGHT_BYTES
+    r = run("attention", "-", "--model", "gemma3-270m", "--out", str(tmp_path), input=text)
+    assert r.returncode == 2 and f"3,001 tokens: the model's attention weights would take {need / 2**30:.1f} GiB" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())  # nothing drawn
 
 
 # ------------------------------------------------------------------ first contact (a newcomer's session)

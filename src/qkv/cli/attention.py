@@ -6,7 +6,31 @@ import sys
 
 import numpy as np
 
+from ..models.formats.tokenizer import tokenizer_call
 from .common import CLIError, DECODER_NAME, _check_layer_head, _html_path, _is_causal_lm, _is_seq2seq, _load, _load_seq2seq, _model_type, _out_dir, _plots_module, _seq2seq_source, _text
+
+
+#: The attention weights ``qkv attention`` may hold (every layer's, float32): the model returns them all at once,
+#: L**2 values a head and layer. 3,001 tokens of Gemma 3 270M had held 6.8 GB before this bound.
+MAX_WEIGHT_BYTES = 2 << 30
+
+
+def _check_weights(values: int, what: str) -> None:
+    """Refuse, before running the model, a text whose attention weights would take more than
+    :data:`MAX_WEIGHT_BYTES`; ``values`` is how many weights the model would return."""
+    if values * 4 > MAX_WEIGHT_BYTES:
+        raise CLIError(f"{what}: the model's attention weights would take {values * 4 / 2**30:.1f} GiB, past the {MAX_WEIGHT_BYTES >> 30} GiB "
+                       "qkv attention holds; give a shorter text (a picture of that many tokens labels only a few anyway)")
+
+
+def _stack_layers(attentions) -> np.ndarray:  # a list of (1, H, L, S) -> (layers, H, L, S)
+    """The first row of each layer's weights in one array, each layer let go once copied (np.stack
+    holds the list and the stack at once: twice the weights at the peak)."""
+    attentions = list(attentions)
+    out = np.empty((len(attentions), *attentions[0].shape[1:]), attentions[0].dtype)
+    for i in range(len(attentions)):
+        out[i], attentions[i] = attentions[i][0], None
+    return out
 
 
 def _attention_seq2seq(args, plots, out_dir) -> int:
@@ -25,12 +49,14 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
         tgt = out.token_ids
         print(f"no --target: the model's own greedy output, {len(tgt)} tokens: {out.text!r}", file=sys.stderr)
     else:
-        tgt = lm.tokenizer.backend.encode(_text(args.target), add_special_tokens=False).ids
+        tgt = tokenizer_call(lm.tokenizer.backend.encode, _text(args.target), add_special_tokens=False).ids
     if not tgt and kind != "encoder":
         raise CLIError("the target is empty: give --target TEXT")
     dec_in = [lm.config.decoder_start_token_id] + tgt[:-1]  # teacher forcing: row i predicts target token i
+    c, S, T = lm.config, 1500 if source_tokens is not None else len(src), len(dec_in)  # (Whisper's encoder: 1,500 positions)
+    _check_weights(c.num_heads * (c.encoder_layers * S * S + c.decoder_layers * (T * T + T * S)), f"{S:,} source and {T:,} target tokens")
     res = lm.forward(src if source_tokens is not None else [src], [dec_in], output_attentions=True)
-    att = np.stack([a[0] for a in {"cross": res.cross_attentions, "encoder": res.encoder_attentions, "decoder": res.decoder_attentions}[kind]])  # (layers, H, L, S)
+    att = _stack_layers({"cross": res.cross_attentions, "encoder": res.encoder_attentions, "decoder": res.decoder_attentions}[kind])  # (layers, H, L, S)
     n_layers, n_heads = att.shape[:2]
     token = lm.tokenizer.token
     source = source_tokens or [token(i) for i in src]
@@ -72,10 +98,10 @@ def _attention_lm(args, plots, out_dir) -> int:
     _check_layer_head(args, cfg.num_layers, cfg.num_heads)
     ids = lm.tokenizer.encode(args.text)
     tokens = [lm.tokenizer.token(i).replace("\u2581", " ") for i in ids]
+    _check_weights(cfg.num_layers * cfg.num_heads * len(ids) ** 2, f"{len(ids):,} tokens")
     if len(ids) > 50:
         print(f"qkv: {len(ids)} tokens: running {lm.name} and drawing...", file=sys.stderr, flush=True)
-    res = lm.forward(ids, output_attentions=True, logits_to_keep=1)
-    att = np.stack([a[0] for a in res.attentions])  # (layers, H, L, L)
+    att = _stack_layers(lm.forward(ids, output_attentions=True, logits_to_keep=1).attentions)  # (layers, H, L, L)
     from .. import masks
 
     L = len(ids)
@@ -110,7 +136,7 @@ def cmd_attention(args) -> int:
     res = enc.encode_batch([args.text], output_attentions=True)
     tokens = res.tokens[0]
     n = len(tokens)
-    att = np.stack([a[0, :, :n, :n] for a in res.attentions])  # (layers, H, L, L)
+    att = np.stack([a[0, :, :n, :n] for a in res.attentions])  # (layers, H, L, L): an encoder's L is at most its max_seq_length
     return _draw_attention(args, plots, out_dir, att, tokens, enc.name, [""] * n_layers)
 
 

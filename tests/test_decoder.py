@@ -337,6 +337,31 @@ def _tiny(family, torch, tmp_path, **over):
     return model, d
 
 
+def test_hf_directory_prompts_get_bos_as_transformers_tokenizer_gives_it(torch, tmp_path):
+    """BOS where tokenizer.json's post-processor puts one (Gemma's, Llama's, Mistral's files), none where it
+    puts none (Qwen's, GPT-2's): transformers' tokenizer reads the file so; qkv had never added one."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    model, d = _tiny("llama", torch, tmp_path)
+    text = "w3 w5 w7"
+    lm = load_causal_lm(d)
+    assert lm.tokenizer.encode(text) == AutoTokenizer.from_pretrained(d)(text).input_ids == [3, 5, 7]  # no post-processor
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "w1", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {"w1": {"id": "w1", "ids": [1], "tokens": ["w1"]}}}  # fmt: skip
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    lm, ref = load_causal_lm(d), AutoTokenizer.from_pretrained(d)
+    ids = ref(text, return_tensors="pt").input_ids
+    assert lm.tokenizer.encode(text) == ids[0].tolist() == [1, 3, 5, 7]
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1] :].tolist()
+    assert lm.generate(text, max_new_tokens=8, stop_at_eos=False).token_ids == want
+    assert lm.tokenizer.encode(text, add_bos=False) == [3, 5, 7]  # a chat template writes its own BOS
+
+
 FAMILIES = ["llama", "llama_tied_bias", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "gemma2", "gpt_oss", "bloom"]
 
 

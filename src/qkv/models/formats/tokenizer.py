@@ -438,10 +438,11 @@ def _recipe(gguf, source: str, model: str, gemma: bool, types: list, unk, scores
 def from_file(path: Path, config: dict, source: str | None = None) -> TextTokenizer:
     """The tokenizer of a Hugging Face directory (``tokenizer.json``), BOS as the config says.
 
-    The file's own post-processor (which may add BOS) is replaced: BOS is
-    added by :meth:`TextTokenizer.encode`, once, where the model family
-    expects it. The config's BOS, EOS and padding ids (``source``: its file, for errors) are
-    checked against its ``vocab_size`` (the tokenizer's size where it has none).
+    The file's own post-processor is not run: BOS is added by
+    :meth:`TextTokenizer.encode`, once, where the post-processor would put
+    it (or as a config's ``add_bos_token`` says). The config's BOS, EOS and padding ids
+    (``source``: its file, for errors) are checked against its ``vocab_size`` (the tokenizer's
+    size where it has none).
     """
     from .files import MAX_JSON_BYTES, FieldReader, regular_file
 
@@ -458,11 +459,24 @@ def from_file(path: Path, config: dict, source: str | None = None) -> TextTokeni
     n = get("vocab_size", int, None) or tok.get_vocab_size(with_added_tokens=True)
     bos = get.token_id("bos_token_id", n)
     eos = get.token_id("eos_token_id", n, (), many=True)
+    add_bos = get("add_bos_token", bool, None)
+    if add_bos is None:  # as transformers reads tokenizer.json: BOS where its post-processor puts one
+        add_bos = bos is not None and _post_processor_adds(tok, bos)
     return TextTokenizer(
         tok,
         bos_id=bos,
         eos_id=eos[0] if eos else None,
         pad_id=None if config.get("pad_token_id") == -1 else get.token_id("pad_token_id", n),  # -1: "none" in old Llama conversions
-        add_bos=get("add_bos_token", bool, False),
+        add_bos=add_bos,
         eos_ids=eos,
     )
+
+
+def _post_processor_adds(tok, bos: int) -> bool:
+    """Whether ``tokenizer.json``'s post-processor puts ``bos`` before a text's tokens (Gemma's, Llama's
+    and Mistral's files do; Qwen's and GPT-2's do not). transformers' tokenizer adds what the file's
+    post-processor adds: a BOS left out had made an HF Gemma directory generate from other ids than
+    transformers. Only BOS is taken from it: a generated text continues the prompt, never an EOS after it."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    return full[:1] == [bos] and full[1 : 1 + len(plain)] == plain and plain[:1] != [bos]

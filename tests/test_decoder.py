@@ -362,6 +362,30 @@ def test_hf_directory_prompts_get_bos_as_transformers_tokenizer_gives_it(torch, 
     assert lm.tokenizer.encode(text, add_bos=False) == [3, 5, 7]  # a chat template writes its own BOS
 
 
+def test_hf_directory_generation_ends_at_generation_config_eos_as_transformers_does(torch, tmp_path):
+    """transformers' generate ends at every id of generation_config.json's eos_token_id (Qwen2.5's chat
+    models list two there, one in config.json); qkv had read config.json's alone."""
+    import json
+
+    import transformers as tf
+
+    model, d = _tiny("llama", torch, tmp_path)
+    prompt = [1, 5, 9, 13]
+    with torch.no_grad():
+        free = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 4:].tolist()
+    end = next(t for t in free[2:] if t not in free[:2] and t != 2)  # a token the greedy run makes, not at once
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, end]}))
+    ref = tf.AutoModelForCausalLM.from_pretrained(d).float().eval()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 4:].tolist()
+    out = load_causal_lm(d).generate(prompt, max_new_tokens=12)
+    assert out.token_ids == want == free[: free.index(end) + 1] and out.stop_reason == "eos"
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": -3}))
+    with pytest.raises(ModelError, match=r"generation_config.json: field 'eos_token_id' should be a token id or a list of them in \[0, 97\), got -3"):
+        load_causal_lm(d)
+
+
 FAMILIES = ["llama", "llama_tied_bias", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "gemma2", "gpt_oss", "bloom"]
 
 

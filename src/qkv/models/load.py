@@ -156,7 +156,7 @@ def _load_hf(path: Path) -> CausalLM:
     extra = [n for n in t.unread() if n not in ignorable and not n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))]
     if extra:
         raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
-    tokenizer = tk.from_file(path / "tokenizer.json", {**c, **_generation_eos(path, cfg.vocab_size)}, str(cfg_file))
+    tokenizer = tk.from_file(path / "tokenizer.json", c, str(cfg_file), eos_ids=_generation_eos(path, cfg.vocab_size))
     template, origin = None, f"{path}: chat template"
     if (path / "chat_template.jinja").is_file():
         template, origin = regular_file(path / "chat_template.jinja", "a chat template", max_bytes=1 << 20).read_text(encoding="utf-8"), str(path / "chat_template.jinja")
@@ -166,15 +166,14 @@ def _load_hf(path: Path) -> CausalLM:
     return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat, instruction_tuned=tuned)
 
 
-def _generation_eos(path: Path, vocab_size: int) -> dict:
-    """``{"eos_token_id": [...]}`` from ``generation_config.json``, whose ids end generation in
-    transformers' ``generate`` (Qwen2.5's chat models list <|im_end|> and <|endoftext|> there, their
-    config.json only the first); {} where the file or the field is missing."""
+def _generation_eos(path: Path, vocab_size: int) -> tuple | None:
+    """The ids of ``generation_config.json``'s ``eos_token_id``, which end generation in transformers'
+    ``generate`` (Qwen2.5's chat models list <|im_end|> and <|endoftext|> there, their config.json
+    only the first); None where the file or the field is missing."""
     gen_file = path / "generation_config.json"
     if not gen_file.is_file():
-        return {}
-    eos = FieldReader(read_json(gen_file), str(gen_file)).token_id("eos_token_id", vocab_size, many=True)
-    return {} if eos is None else {"eos_token_id": list(eos)}
+        return None
+    return FieldReader(read_json(gen_file), str(gen_file)).token_id("eos_token_id", vocab_size, many=True)
 
 
 def load_causal_lm(path=None, *, keep_quantized: bool = True) -> CausalLM:

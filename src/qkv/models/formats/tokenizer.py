@@ -435,12 +435,13 @@ def _recipe(gguf, source: str, model: str, gemma: bool, types: list, unk, scores
     return description, build
 
 
-def from_file(path: Path, config: dict, source: str | None = None) -> TextTokenizer:
+def from_file(path: Path, config: dict, source: str | None = None, *, eos_ids=None) -> TextTokenizer:
     """The tokenizer of a Hugging Face directory (``tokenizer.json``), BOS as the config says.
 
     The file's own post-processor is not run: BOS is added by
     :meth:`TextTokenizer.encode`, once, where the post-processor would put
-    it (or as a config's ``add_bos_token`` says). The config's BOS, EOS and padding ids
+    it (or as a config's ``add_bos_token`` says). ``eos_ids``: the ids that end generation where
+    they are not the config's (``generation_config.json``'s). The config's BOS, EOS and padding ids
     (``source``: its file, for errors) are checked against its ``vocab_size`` (the tokenizer's
     size where it has none).
     """
@@ -459,6 +460,7 @@ def from_file(path: Path, config: dict, source: str | None = None) -> TextTokeni
     n = get("vocab_size", int, None) or tok.get_vocab_size(with_added_tokens=True)
     bos = get.token_id("bos_token_id", n)
     eos = get.token_id("eos_token_id", n, (), many=True)
+    eos = eos if eos_ids is None else tuple(eos_ids)
     add_bos = get("add_bos_token", bool, None)
     if add_bos is None:  # as transformers reads tokenizer.json: BOS where its post-processor puts one
         add_bos = bos is not None and _post_processor_adds(tok, bos)

@@ -407,6 +407,20 @@ def test_hf_family_logits_and_greedy_equal_transformers(family, torch, tmp_path)
     assert lm.generate(prompt, max_new_tokens=15, stop_at_eos=False).token_ids == ref
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bloom", "qwen2", "gemma3", "gemma2"])
+def test_hf_untied_head_is_read_as_transformers_reads_it(family, torch, tmp_path):
+    """tie_word_embeddings false: the model's own lm_head.weight (GPT-2 had used its embeddings regardless:
+    logits 17 off, silently)."""
+    model, d = _tiny(family, torch, tmp_path, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.normal_()
+    model.save_pretrained(d, safe_serialization=True)
+    ids = np.random.default_rng(1).integers(3, 97, size=(1, 9))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(load_causal_lm(d)(ids), want, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma3", "qwen3", "gpt2", "gemma2", "gpt_oss", "bloom"])
 def test_hf_family_cache_equals_full_pass(family, torch, tmp_path):
     _, d = _tiny(family, torch, tmp_path)

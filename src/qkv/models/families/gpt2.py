@@ -2,7 +2,8 @@
 
 Learned absolute positions (a ``(n_positions, E)`` table) instead of RoPE;
 LayerNorm with bias; a plain MLP ``c_proj(gelu_new(c_fc(x)))``; every
-projection has a bias; the LM head is tied to the token embeddings. Its
+projection has a bias; the LM head is tied to the token embeddings (unless
+the config says tie_word_embeddings false: then its own lm_head.weight). Its
 weights are ``Conv1D``: stored ``(in, out)``, the transpose of ``nn.Linear``,
 and the query, key and value projections fused in one ``c_attn``.
 """
@@ -40,7 +41,7 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
         windows=(None,) * n,
         max_positions=get("n_positions", int, 1024),
         query_scale=(E // H) ** -0.5 if get("scale_attn_weights", bool, True) and H and E % H == 0 else 1.0,
-        tie_embeddings=True,
+        tie_embeddings=get("tie_word_embeddings", bool, True),  # (false: its own lm_head.weight, as transformers reads it)
     )
 
 
@@ -73,7 +74,8 @@ def weights_from_hf(t, cfg: DecoderConfig):
     layers = _layers(cfg, conv, ln, "h.{}.", ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"))
     embed = t(pre + "wte.weight", (cfg.vocab_size, E))
     positions = t(pre + "wpe.weight", (cfg.max_positions, E))
-    return DecoderWeights(embed, layers, ln("ln_f"), positions=positions)
+    head = None if cfg.tie_embeddings else t("lm_head.weight", (cfg.vocab_size, E))
+    return DecoderWeights(embed, layers, ln("ln_f"), lm_head=head, positions=positions)
 
 
 def config_from_gguf(g) -> DecoderConfig:

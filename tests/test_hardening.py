@@ -742,6 +742,7 @@ def _hf_with(hf_dirs, family, changes, tmp_path):
     ("gemma3", {"rope_parameters": "fast"}, "field 'rope_parameters' should be an object, got 'fast'"),  # had been an AttributeError
     ("gemma3", {"rope_parameters": {"full_attention": 5}}, "rope_parameters: field 'full_attention' should be an object, got 5"),
     ("bloom", {"n_layer": None}, "missing field 'num_hidden_layers'"),  # had been a TypeError of None
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),  # had run causally: logits 0.44 off transformers
 ])  # fmt: skip
 def test_a_config_json_is_checked_at_load_and_its_errors_name_it(family, changes, match, hf_dirs, tmp_path):
     d = _hf_with(hf_dirs, family, changes, tmp_path)

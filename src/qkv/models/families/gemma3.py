@@ -110,6 +110,8 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
             raise ModelError(f"{source}: rope_parameters.{kind}.rope_type {params.get('rope_type')!r} is not supported (only 'default')")
     if c.get("rope_scaling"):
         raise ModelError(f"{source}: rope_scaling {c['rope_scaling']!r} is not supported")
+    if get("use_bidirectional_attention", bool, False):  # EmbeddingGemma: every token sees every other
+        raise ModelError(f"{source}: use_bidirectional_attention is not supported (qkv runs Gemma 3 as a causal LM)")
     return DecoderConfig(
         family="gemma3",
         vocab_size=get("vocab_size", int),

@@ -378,6 +378,27 @@ def test_do_lower_case_lowers_the_texts_as_sentence_transformers_does(model_dir,
     assert np.abs(ours - want).max() < 1e-5 and np.abs(ours[0] - ours[1]).max() < 1e-6
 
 
+def test_a_default_prompt_goes_before_every_text_as_sentence_transformers_puts_it(model_dir, tmp_path, torch):
+    """config_sentence_transformers.json's default_prompt_name: sentence-transformers puts that prompt
+    before each text unless told otherwise; qkv had left it out."""
+    import json
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    d = tmp_path / "prompted"
+    shutil.copytree(model_dir, d)
+    st_file = d / "config_sentence_transformers.json"
+    st_file.write_text(json.dumps({**json.loads(st_file.read_text()), "prompts": {"query": "query: ", "doc": "passage: "}, "default_prompt_name": "query"}))
+    texts = ["Where is the river bank?", "A bank lends money."]
+    ours, want = load_model(d).encode(texts), SentenceTransformer(str(d), device="cpu").encode(texts, convert_to_numpy=True)
+    assert np.abs(ours - want).max() < 1e-5
+    assert np.abs(ours - load_model(model_dir).encode(texts)).max() > 1e-3  # the prompt changes the vectors
+    st_file.write_text(json.dumps({"prompts": {"query": "query: "}, "default_prompt_name": "doc"}))
+    with pytest.raises(ModelError, match=r"default_prompt_name 'doc' is not one of the prompts \['query'\]"):
+        load_model(d)
+
+
 def test_plain_model_directory_mean_pools_without_normalising(tmp_path):
     write_tiny(tmp_path, sentence=False)
     enc = load_model(tmp_path)

@@ -107,9 +107,10 @@ class SentenceEncoder:
     Build it with :func:`load_model`.
     """
 
-    def __init__(self, model: BertModel, tokenizer, *, max_seq_length: int, pooling: str = "mean", normalize: bool = False, path: Path | None = None, name: str | None = None, lowercase: bool = False):
+    def __init__(self, model: BertModel, tokenizer, *, max_seq_length: int, pooling: str = "mean", normalize: bool = False, path: Path | None = None, name: str | None = None, lowercase: bool = False, prompt: str = ""):
         self.model = model
         self.lowercase = lowercase  # sentence_bert_config.json's do_lower_case: texts lowered before the tokenizer
+        self.prompt = prompt  # config_sentence_transformers.json's default prompt, put before every text
         self.name = name or (path.name if path is not None else "model")
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
@@ -136,6 +137,8 @@ class SentenceEncoder:
     def _encode(self, texts: list[str], *, stacklevel: int, first: int = 0) -> list:
         """The tokenizer's encodings (padded on the right to the longest), one warning per truncated text
         (numbered from ``first``)."""
+        if self.prompt:
+            texts = [self.prompt + t for t in texts]
         encodings = tokenizer_call(self.tokenizer.encode_batch, [t.lower() for t in texts] if self.lowercase else texts)
         for i, enc in enumerate(encodings):
             if enc.overflowing:
@@ -256,7 +259,8 @@ def load_model(path=None) -> SentenceEncoder:
     except Exception as exc:
         raise ModelError(f"{tok_file}: cannot read tokenizer ({exc})") from None
 
-    max_len, pooling, normalize, lowercase = config.max_position_embeddings, "mean", False, False
+    max_len, pooling, normalize, lowercase, include_prompt = config.max_position_embeddings, "mean", False, False, True
+    prompt = _default_prompt(path / "config_sentence_transformers.json")
     if (path / "sentence_bert_config.json").exists():
         sb = path / "sentence_bert_config.json"
         get = FieldReader(read_json(sb), str(sb))
@@ -279,12 +283,31 @@ def load_model(path=None) -> SentenceEncoder:
                 if len(modes) != 1 or modes[0] not in _POOLING_MODES.values():
                     raise ModelError(f"{pfile}: qkv supports exactly one of {sorted(_POOLING_MODES)}, got {modes}")
                 pooling = modes[0]
+                include_prompt = get("include_prompt", bool, True)
             elif kind.endswith("Normalize"):
                 normalize = True
             elif not kind.endswith("Transformer"):
                 raise ModelError(f"{path / 'modules.json'}: module type {kind!r} is not supported")
+    if prompt and not include_prompt:
+        raise ModelError(f"{path}: a default prompt left out of the pooling (include_prompt false) is not supported")
     if max_len > config.max_position_embeddings:
         raise ModelError(f"{path}: max_seq_length {max_len} exceeds max_position_embeddings {config.max_position_embeddings}")
     if name is None:
         name = path.resolve().name
-    return SentenceEncoder(model, tokenizer, max_seq_length=max_len, pooling=pooling, normalize=normalize, path=path, name=name, lowercase=lowercase)
+    return SentenceEncoder(model, tokenizer, max_seq_length=max_len, pooling=pooling, normalize=normalize, path=path, name=name, lowercase=lowercase, prompt=prompt)
+
+
+def _default_prompt(path: Path) -> str:
+    """The prompt sentence-transformers puts before every text by default: ``prompts[default_prompt_name]``
+    of ``config_sentence_transformers.json`` ("" where it names none, as most models do)."""
+    if not path.is_file():
+        return ""
+    c = read_json(path)
+    get = FieldReader(c, str(path))
+    name = get("default_prompt_name", str, None)
+    prompts = c.get("prompts") or {}
+    if not isinstance(prompts, dict) or any(not isinstance(v, str) for v in prompts.values()):
+        raise ModelError(f"{path}: field 'prompts' should map names to strings, got {prompts!r}")
+    if name is not None and name not in prompts:
+        raise ModelError(f"{path}: default_prompt_name {name!r} is not one of the prompts {sorted(prompts)}")
+    return "" if name is None else prompts[name]

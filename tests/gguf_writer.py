@@ -77,7 +77,7 @@ def random_kquant_rows(qtype, rows: int, cols: int, rng):
     return raw.reshape(rows, -1)
 
 
-def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool = False, chat_template=None, rng=None):
+def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool = False, chat_template=None, rng=None, add_bos="as converters write it"):
     """Write ``model`` (a transformers model of family ``arch``) to ``path`` in llama.cpp's layout.
 
     ``outtype``: F32, F16 or Q8_0 (2-D weights quantized by ``gguf.quants``, as the converter does, norms
@@ -123,7 +123,8 @@ def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool
         w.add_unk_token_id(0)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
-        w.add_add_bos_token(True)
+        if add_bos is not None:  # None: no tokenizer.ggml.add_bos_token key at all
+            w.add_add_bos_token(True if add_bos == "as converters write it" else add_bos)
     else:
         tokens, merges, types = vocab or byte_level_vocab()
         w.add_tokenizer_model("gpt2")
@@ -133,7 +134,8 @@ def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool
         w.add_token_types(types)
         w.add_bos_token_id(tokens.index("<|endoftext|>"))
         w.add_eos_token_id(tokens.index("<|endoftext|>"))
-        w.add_add_bos_token(False)
+        if add_bos is not None:
+            w.add_add_bos_token(False if add_bos == "as converters write it" else add_bos)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     written = {}

@@ -112,6 +112,17 @@ def test_gguf_byte_level_tokenizer_equals_transformers(arch, torch, tmp_path, bp
     assert bpe[0].index("<|im_end|>") in lm.tokenizer.eos_ids  # a chat turn's end stops generation
 
 
+@pytest.mark.parametrize("arch, spm, want", [("llama", False, True), ("qwen2", False, False), ("gpt2", False, False), ("llama", True, True)])
+def test_without_an_add_bos_key_bos_follows_llama_cpps_defaults(arch, spm, want, torch, bpe, tmp_path):
+    """No tokenizer.ggml.add_bos_token: llama.cpp (src/llama-vocab.cpp) adds BOS for SentencePiece
+    vocabularies and for BPE split as Llama 3 splits (llama-bpe, llama3), not for Qwen's or GPT-2's."""
+    vocab = gguf_writer.sentencepiece_vocab() if spm else bpe
+    path = tmp_path / "m.gguf"
+    gguf_writer.write(_model("llama" if arch == "llama" else arch, torch, len(vocab[0])), path, arch=arch, vocab=vocab, spm=spm, add_bos=None)
+    tok = load_causal_lm(path).tokenizer
+    assert tok.add_bos is want and (tok.encode("hi")[0] == tok.bos_id) is want
+
+
 def test_gguf_sentencepiece_tokenizer_equals_transformers(torch, tmp_path):
     from transformers import AutoTokenizer
 

@@ -337,7 +337,8 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
         bos_id=bos,
         eos_id=eos,
         pad_id=ident("tokenizer.ggml.padding_token_id"),
-        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", model == "llama")),
+        # without the key, llama.cpp's defaults: BOS for SentencePiece, and for BPE split as Llama 3 splits
+        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", model == "llama" or pre in ("llama-bpe", "llama3"))),
         eos_ids=[e for e in dict.fromkeys(ends) if e is not None],
     )
 

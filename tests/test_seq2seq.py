@@ -405,6 +405,29 @@ def test_whisper_equals_transformers(torch, tmp_path):
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])
+def test_whisper_generate_suppresses_what_generation_config_says_as_transformers_does(num_beams, torch, tmp_path):
+    """generation_config.json's suppress_tokens (never generated) and begin_suppress_tokens (never first):
+    real Whisper checkpoints list both, and transformers' generate applies them; qkv had not."""
+    import json
+
+    model, d = _tiny_whisper(torch, tmp_path)
+    audio = _audio()["sweep"]
+    free = load_seq2seq_lm(d).generate(audio, max_new_tokens=10, num_beams=num_beams, sampling_rate=16_000).token_ids
+    suppress, begin = sorted({t for t in free[1:4] if t not in (2, free[0])}), [free[0]]  # tokens the free run makes
+    assert suppress
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "suppress_tokens": suppress, "begin_suppress_tokens": begin}))
+    model.generation_config.suppress_tokens, model.generation_config.begin_suppress_tokens = suppress, begin
+    lm = load_seq2seq_lm(d)
+    assert lm.config.suppress_tokens == tuple(suppress) and lm.config.begin_suppress_tokens == tuple(begin)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor(lm.features(audio, sampling_rate=16_000)), max_new_tokens=10, num_beams=num_beams).tolist()[0]
+    got = lm.generate(audio, max_new_tokens=10, num_beams=num_beams, sampling_rate=16_000).token_ids
+    assert got == ref[: len(got)] and all(t == 0 for t in ref[len(got) :]), (got, ref)
+    assert got[0] != free[0] and not set(got) & set(suppress)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
 def test_whisper_generate_equals_transformers(num_beams, torch, tmp_path):
     model, d = _tiny_whisper(torch, tmp_path)
     lm = load_seq2seq_lm(d)

@@ -14,6 +14,7 @@ loads an encoder-decoder directory of model type ``t5``, ``bart``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -176,6 +177,17 @@ def _generation_eos(path: Path, vocab_size: int) -> tuple | None:
     return FieldReader(read_json(gen_file), str(gen_file)).token_id("eos_token_id", vocab_size, many=True)
 
 
+def _suppressed(path: Path, c: dict, vocab_size: int) -> dict:
+    """``suppress_tokens`` and ``begin_suppress_tokens``, the ids transformers' ``generate`` never
+    generates (at the first step, for the second), from ``generation_config.json`` where the
+    directory has one (transformers then reads no generation field of ``config.json``), else from
+    ``config.json`` (older Whisper checkpoints keep them there)."""
+    gen_file = path / "generation_config.json"
+    source, fields = (gen_file, read_json(gen_file)) if gen_file.is_file() else (path / "config.json", c)
+    get = FieldReader(fields, str(source))
+    return {key: () if fields.get(key) in (None, []) else get.token_id(key, vocab_size, many=True) for key in ("suppress_tokens", "begin_suppress_tokens")}
+
+
 def load_causal_lm(path=None, *, keep_quantized: bool = True) -> CausalLM:
     """Load a decoder-only language model that runs on qkv's attention, in NumPy.
 
@@ -246,6 +258,7 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     t.check_sizes(c, str(cfg_file))
     with _naming(cfg_file):
         cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
+    cfg = dataclasses.replace(cfg, **_suppressed(path, c, cfg.vocab_size))
     embed = w.embed
     for name in ("model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight", "proj_out.weight", "lm_head.weight"):
         if name in t and name not in t.used and not np.array_equal(t.weights[name], embed):

@@ -61,7 +61,8 @@ class Seq2SeqConfig(ModelConfig):
     ``output_scale``: the factor on the decoder's output before the LM head (T5 with tied embeddings:
     E^-1/2). ``pre_norm``: each block is ``x + f(norm(x))`` (T5); False: ``norm(x + f(x))`` (BART,
     Marian). ``embed_norm``: a norm of the embeddings (BART). ``forced_eos_token_id``: the last token
-    generation may write is this one (BART: EOS).
+    generation may write is this one (BART: EOS). ``suppress_tokens`` are never generated, and
+    ``begin_suppress_tokens`` never first (Whisper's generation config lists both).
     """
 
     ffn_size: int
@@ -80,6 +81,8 @@ class Seq2SeqConfig(ModelConfig):
     position_offset: int = 0
     embed_norm: bool = False
     forced_eos_token_id: int | None = None
+    suppress_tokens: tuple = ()
+    begin_suppress_tokens: tuple = ()
 
     SIZES = ModelConfig.SIZES + ("ffn_size", "encoder_layers", "decoder_layers")
 
@@ -435,7 +438,7 @@ class Seq2SeqLM:
             cache = self.new_cache(hidden)
             tok, new, reason = self.config.decoder_start_token_id, [], "length"
             while len(new) < max_new_tokens:
-                tok = int(self.decode([[tok]], cache)[0, -1].argmax())
+                tok = int(self._suppress(self.decode([[tok]], cache)[:, -1], len(new))[0].argmax())
                 forced = self.config.forced_eos_token_id
                 if forced is not None and len(new) == max_new_tokens - 1:
                     tok = forced  # BART: the last token the length allows is EOS
@@ -449,6 +452,15 @@ class Seq2SeqLM:
         text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
         source_ids = src[0].tolist() if src.dtype.kind in "iu" else []  # audio features have no ids
         return Seq2SeqGenerateOutput(text, new, source_ids, reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)})
+
+    def _suppress(self, scores: np.ndarray, step: int) -> np.ndarray:  # (k, V) scores of new token ``step`` (from 0)
+        """The scores with the tokens the config suppresses at this step set to -inf (a copy where any is)."""
+        ids = list(self.config.suppress_tokens) + (list(self.config.begin_suppress_tokens) if step == 0 else [])
+        if not ids:
+            return scores
+        scores = np.array(scores, copy=True)
+        scores[:, ids] = -np.inf
+        return scores
 
     def _source(self, source) -> np.ndarray:  # -> (1, S) token ids
         if isinstance(source, str):
@@ -473,6 +485,7 @@ class Seq2SeqLM:
             logits = self.decode(tokens[:, None], cache)[:, -1].astype(np.float32)  # (k, V)
             logp = logits - logits.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))  # log-softmax
+            logp = self._suppress(logp, step)  # after the softmax, as transformers' beam search applies it: not renormalised
             forced = self.config.forced_eos_token_id
             if forced is not None and step == max_new_tokens - 1:
                 logp[:] = -np.inf  # BART: the last token the length allows is EOS

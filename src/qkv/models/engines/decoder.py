@@ -47,6 +47,9 @@ from .functional import ACTIVATIONS, gated_activation, rms_norm
 from .text_stream import TextStream
 from ..formats.quants import DIRECT_TOKENS, kernel_available, matmul
 
+#: The widest sliding window a config may give (the compiled kernels take it as an int64).
+MAX_WINDOW = 2**62
+
 #: Up to this many tokens a forward pass runs BLAS on one thread (decode steps, batched ones too).
 SMALL_STEP_TOKENS = 8
 #: Positions of the table of RoPE's cos and sin a decode step reads its rows from (per base, grown by doubling):
@@ -196,9 +199,6 @@ class CausalLMOutput:
     logits: np.ndarray
     attentions: tuple | None = None
     hidden_states: tuple | None = None
-
-
-MAX_WINDOW = 2**62  #: the widest sliding window a config may give (the compiled kernels take it as an int64)
 
 
 @dataclass

@@ -137,9 +137,8 @@ class SentenceEncoder:
     def _encode(self, texts: list[str], *, stacklevel: int, first: int = 0) -> list:
         """The tokenizer's encodings (padded on the right to the longest), one warning per truncated text
         (numbered from ``first``)."""
-        if self.prompt:
-            texts = [self.prompt + t for t in texts]
-        encodings = tokenizer_call(self.tokenizer.encode_batch, [t.lower() for t in texts] if self.lowercase else texts)
+        given = [self.prompt + t for t in texts] if self.prompt else texts  # what the model reads (warnings name the texts as given)
+        encodings = tokenizer_call(self.tokenizer.encode_batch, [t.lower() for t in given] if self.lowercase else given)
         for i, enc in enumerate(encodings):
             if enc.overflowing:
                 short = texts[i] if len(texts[i]) <= 40 else texts[i][:37] + "..."

@@ -427,6 +427,44 @@ def test_whisper_generate_suppresses_what_generation_config_says_as_transformers
     assert got[0] != free[0] and not set(got) & set(suppress)
 
 
+@pytest.mark.parametrize("rules, prompt", [
+    ({"forced_decoder_ids": [[1, None], [2, 13], [3, 15]]}, [3, "L", 13, 15]),  # as multilingual checkpoints ship: detect, transcribe, no timestamps
+    ({"forced_decoder_ids": [[1, 15]]}, [3, 15]),  # as English-only ones ship
+    ({}, [3, "L", 15]),  # nothing forced: the language detected, then <|notimestamps|>
+    ({"language": "fr", "task": "translate"}, [3, 11, 14, 15]),
+    ({"language": "<|de|>"}, [3, 12, 13, 15]),  # a task is then "transcribe"
+])  # fmt: skip
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_whisper_prompt_is_forced_as_transformers_forces_it(rules, prompt, num_beams, torch, tmp_path):
+    """transformers' Whisper generate starts from the start token, a language (given, or detected: the
+    language token with the highest logit after the start token alone), a task and <|notimestamps|>,
+    as the generation config says; qkv had started from the start token alone. ("L": the language
+    transformers' detect_language finds.)"""
+    import json
+
+    model, d = _tiny_whisper(torch, tmp_path)
+    fields = {"lang_to_id": {"<|en|>": 10, "<|fr|>": 11, "<|de|>": 12}, "task_to_id": {"transcribe": 13, "translate": 14}, "no_timestamps_token_id": 15, "is_multilingual": True, **rules}
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+    for key, value in fields.items():
+        setattr(model.generation_config, key, value)
+    from transformers.generation import GenerationMixin
+
+    lm = load_seq2seq_lm(d)
+    for name in ("sweep", "noise"):
+        feats = lm.features(_audio()[name], sampling_rate=16_000)
+        with torch.no_grad():
+            lang = int(model.detect_language(torch.tensor(feats))[0])
+            start = [lang if t == "L" else t for t in prompt]
+            # the search after the prompt, by transformers' own generate under Whisper's (which, given these
+            # fields, goes on segment after segment: 500 to 4,000 tokens, 10 minutes for this test)
+            ref = GenerationMixin.generate(model, input_features=torch.tensor(feats), decoder_input_ids=torch.tensor([start]), max_new_tokens=8, num_beams=num_beams, do_sample=False)
+        assert lm.decoder_prompt(lm.encode(feats)) == start
+        got = lm.generate(feats, max_new_tokens=8, num_beams=num_beams).token_ids
+        want = ref[0, len(start) :].tolist()
+        assert got == want[: len(got)] and all(t == 0 for t in want[len(got) :]), (name, got, want)
+
+
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_whisper_generate_equals_transformers(num_beams, torch, tmp_path):
     model, d = _tiny_whisper(torch, tmp_path)

@@ -46,7 +46,7 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
         tgt = []
     elif args.target is None:
         out = lm.generate(src, max_new_tokens=40)
-        tgt = out.token_ids
+        tgt = out.prompt_ids[1:] + out.token_ids  # (Whisper: the language, task and no-timestamps tokens first, as the model saw them)
         print(f"no --target: the model's own greedy output, {len(tgt)} tokens: {out.text!r}", file=sys.stderr)
     else:
         tgt = tokenizer_call(lm.tokenizer.backend.encode, _text(args.target), add_special_tokens=False).ids

@@ -177,15 +177,13 @@ def _generation_eos(path: Path, vocab_size: int) -> tuple | None:
     return FieldReader(read_json(gen_file), str(gen_file)).token_id("eos_token_id", vocab_size, many=True)
 
 
-def _suppressed(path: Path, c: dict, vocab_size: int) -> dict:
-    """``suppress_tokens`` and ``begin_suppress_tokens``, the ids transformers' ``generate`` never
-    generates (at the first step, for the second), from ``generation_config.json`` where the
-    directory has one (transformers then reads no generation field of ``config.json``), else from
-    ``config.json`` (older Whisper checkpoints keep them there)."""
+def _generation_config(path: Path, c: dict) -> FieldReader:
+    """A reader of the fields transformers' ``generate`` takes: ``generation_config.json`` where the
+    directory has one (transformers then reads no generation field of ``config.json``), else
+    ``config.json`` (older Whisper checkpoints keep ``suppress_tokens`` and the rest there). The
+    ``suppress_tokens`` are never generated, the ``begin_suppress_tokens`` never first."""
     gen_file = path / "generation_config.json"
-    source, fields = (gen_file, read_json(gen_file)) if gen_file.is_file() else (path / "config.json", c)
-    get = FieldReader(fields, str(source))
-    return {key: () if fields.get(key) in (None, []) else get.token_id(key, vocab_size, many=True) for key in ("suppress_tokens", "begin_suppress_tokens")}
+    return FieldReader(read_json(gen_file), str(gen_file)) if gen_file.is_file() else FieldReader(c, str(path / "config.json"))
 
 
 def load_causal_lm(path=None, *, keep_quantized: bool = True) -> CausalLM:
@@ -258,7 +256,8 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     t.check_sizes(c, str(cfg_file))
     with _naming(cfg_file):
         cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
-    cfg = dataclasses.replace(cfg, **_suppressed(path, c, cfg.vocab_size))
+    gen = _generation_config(path, c)
+    cfg = dataclasses.replace(cfg, **{key: () if gen.config.get(key) in (None, []) else gen.token_id(key, cfg.vocab_size, many=True) for key in ("suppress_tokens", "begin_suppress_tokens")})
     embed = w.embed
     for name in ("model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight", "proj_out.weight", "lm_head.weight"):
         if name in t and name not in t.used and not np.array_equal(t.weights[name], embed):
@@ -269,5 +268,6 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     if extra:
         raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({len(extra)} unexpected tensors)")
     tokenizer = tk.from_file(path / "tokenizer.json", {**c, "add_bos_token": False, "eos_token_id": cfg.eos_token_id}, str(cfg_file)) if (path / "tokenizer.json").is_file() else None
-    model = w.model or Seq2SeqLM
-    return model(cfg, *w.extra, embed, w.encoder, w.encoder_norm, w.decoder, w.decoder_norm, lm_head=w.lm_head, tokenizer=tokenizer, name=path.resolve().name, **w.parts)
+    model = (w.model or Seq2SeqLM)(cfg, *w.extra, embed, w.encoder, w.encoder_norm, w.decoder, w.decoder_norm, lm_head=w.lm_head, tokenizer=tokenizer, name=path.resolve().name, **w.parts)
+    model.read_generation(gen, cfg.vocab_size)  # Whisper: the language, task and no-timestamps tokens it forces
+    return model

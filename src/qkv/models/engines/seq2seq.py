@@ -141,6 +141,7 @@ class Seq2SeqGenerateOutput:
     stop_reason: str  # "eos" or "length"
     score: float | None = None  # beam search: the chosen hypothesis' length-normalised log-probability
     timings: dict = field(default_factory=dict)
+    prompt_ids: list = field(default_factory=list)  # what the decoder started from (the start token; Whisper's forced tokens after it)
 
 
 @dataclass
@@ -434,24 +435,34 @@ class Seq2SeqLM:
             raise ValueError(f"source should be one sequence, got a batch of {len(src)}")
         t0 = time.perf_counter()
         hidden = self.encode(src)
+        prompt = self.decoder_prompt(hidden)  # the decoder start token, and what the model's generation config forces after it
         if num_beams == 1:
             cache = self.new_cache(hidden)
-            tok, new, reason = self.config.decoder_start_token_id, [], "length"
+            feed, new, reason = [prompt], [], "length"
             while len(new) < max_new_tokens:
-                tok = int(self._suppress(self.decode([[tok]], cache)[:, -1], len(new))[0].argmax())
+                tok = int(self._suppress(self.decode(feed, cache)[:, -1], len(new))[0].argmax())
                 forced = self.config.forced_eos_token_id
                 if forced is not None and len(new) == max_new_tokens - 1:
                     tok = forced  # BART: the last token the length allows is EOS
                 new.append(tok)
+                feed = [[tok]]
                 if tok == eos:
                     reason = "eos"
                     break
             score = None
         else:
-            new, score, reason = self._beam_search(hidden, max_new_tokens, num_beams, float(length_penalty), early_stopping)
+            new, score, reason = self._beam_search(hidden, prompt, max_new_tokens, num_beams, float(length_penalty), early_stopping)
         text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
         source_ids = src[0].tolist() if src.dtype.kind in "iu" else []  # audio features have no ids
-        return Seq2SeqGenerateOutput(text, new, source_ids, reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)})
+        return Seq2SeqGenerateOutput(text, new, source_ids, reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)}, prompt)
+
+    def read_generation(self, get, vocab_size: int) -> None:
+        """Read what this model takes from its generation config (``get``: a FieldReader over it); the
+        general encoder-decoder takes only its suppressed tokens, which the loader puts in the config."""
+
+    def decoder_prompt(self, hidden) -> list:  # (1, S, E) encoder output -> token ids
+        """The tokens the decoder starts from: the start token (Whisper adds what its generation config forces)."""
+        return [self.config.decoder_start_token_id]
 
     def _suppress(self, scores: np.ndarray, step: int) -> np.ndarray:  # (k, V) scores of new token ``step`` (from 0)
         """The scores with the tokens the config suppresses at this step set to -inf (a copy where any is)."""
@@ -469,7 +480,7 @@ class Seq2SeqLM:
             source = tokenizer_call(self.tokenizer.backend.encode, source).ids  # the file's own special tokens (T5: text </s>; BART: <s> text </s>)
         return self._ids(source, "source")
 
-    def _beam_search(self, hidden, max_new_tokens, k, length_penalty, early_stopping):
+    def _beam_search(self, hidden, prompt, max_new_tokens, k, length_penalty, early_stopping):
         eos = self.config.eos_token_id
         # One row a beam in the self-attention cache; the cross-attention's keys and values are the
         # source's, the same for every beam: computed once, (1, H, S, D), broadcast over the beams.
@@ -479,10 +490,10 @@ class Seq2SeqLM:
         run_scores[0] = 0  # one beam to start: the others are copies that must not win
         done, done_scores = [], []  # finished hypotheses (at most k), their normalised scores
         keep = max(2, 1 + (eos is not None)) * k  # candidates a step: enough that k can go on besides the finished
-        tokens = np.full(k, self.config.decoder_start_token_id)
+        feed = np.tile(np.asarray(prompt), (k, 1))  # (k, P): every beam starts from the prompt
         improvable = True
         for step in range(max_new_tokens):
-            logits = self.decode(tokens[:, None], cache)[:, -1].astype(np.float32)  # (k, V)
+            logits = self.decode(feed, cache)[:, -1].astype(np.float32)  # (k, V)
             logp = logits - logits.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))  # log-softmax
             logp = self._suppress(logp, step)  # after the softmax, as transformers' beam search applies it: not renormalised
@@ -510,7 +521,7 @@ class Seq2SeqLM:
             go = np.flatnonzero(~ends)[:k]  # the best k that go on
             running = [running[beam[i]] + [int(tok[i])] for i in go]
             run_scores = sc[go].astype(np.float32)
-            tokens = tok[go]
+            feed = tok[go][:, None]
             cache.self_kv.reorder(beam[go])
             # Stop once the best running beam, at the current length, cannot beat the worst finished one.
             if len(done) == k and run_scores[0] / (length**length_penalty) <= min(done_scores):

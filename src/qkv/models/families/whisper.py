@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ModelError
+from ..formats.files import FieldReader
 from ..engines.functional import ACTIVATIONS
 from . import bart
 from ..engines.seq2seq import Seq2SeqConfig, Seq2SeqLM, Seq2SeqWeights
@@ -151,6 +152,58 @@ class WhisperLM(Seq2SeqLM):
     def __init__(self, config: Seq2SeqConfig, conv: tuple, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self.conv1_w, self.conv1_b, self.conv2_w, self.conv2_b = conv
+        # what the generation config forces after the start token (read_generation): the tokens from
+        # forced_decoder_ids or language/task (None where the language is to be detected), the language
+        # tokens to detect it among, and <|notimestamps|>
+        self.forced, self.lang_ids, self.no_timestamps = [], (), None
+
+    def read_generation(self, get, vocab_size: int) -> None:
+        """The prompt rules of a Whisper generation config (``get``: a FieldReader over it), as
+        transformers' Whisper ``generate`` applies them (``_retrieve_init_tokens``, with
+        ``return_timestamps`` off): ``language`` and ``task`` where given, else ``forced_decoder_ids``;
+        a language left open is detected from the first step's logits over ``lang_to_id``; then
+        ``<|notimestamps|>``."""
+        c, source = get.config, get.source
+        lang_to_id, task_to_id = get.object("lang_to_id"), get.object("task_to_id")
+        self.lang_ids = tuple(lang_to_id.token_id(k, vocab_size) for k in lang_to_id.config)
+        self.no_timestamps = None if get("return_timestamps", bool, False) else get.token_id("no_timestamps_token_id", vocab_size)
+        language, task = get("language", str, None), get("task", str, None)
+        forced = []
+        if language is None and task is None:
+            pairs = c.get("forced_decoder_ids") or []
+            if not isinstance(pairs, list) or any(not isinstance(p, list) or len(p) != 2 for p in pairs):
+                raise ModelError(f"{source}: forced_decoder_ids should be [position, token id] pairs, got {pairs!r}")
+            for i, (at, tok) in enumerate(pairs, start=1):
+                if at != i:
+                    raise ModelError(f"{source}: forced_decoder_ids should force positions 1, 2, ... in turn, got {pairs!r}")
+                forced.append(None if tok is None else FieldReader({"id": tok}, f"{source}: forced_decoder_ids").token_id("id", vocab_size))
+        if language is not None:
+            key = language if language in lang_to_id.config else f"<|{language.lower()}|>"
+            if key not in lang_to_id.config:
+                raise ModelError(f"{source}: language {language!r} is not in lang_to_id")
+            forced[:1] = [lang_to_id.token_id(key, vocab_size)]
+        if task is not None:
+            if task not in task_to_id.config:
+                raise ModelError(f"{source}: task {task!r} is not in task_to_id {sorted(task_to_id.config)}")
+            forced.append(task_to_id.token_id(task, vocab_size))
+        elif language is not None and task_to_id.config and not set(forced) & set(task_to_id.config.values()):
+            forced.append(task_to_id.token_id("transcribe", vocab_size))
+        if self.lang_ids and (not forced or forced[0] is None) and language is None:
+            forced[:1] = [None]  # detected at generate time
+        self.forced = forced
+
+    def decoder_prompt(self, hidden) -> list:  # (1, 1500, E) -> token ids
+        """The start token, then what :meth:`read_generation` found forced: a language to be detected is the
+        language token with the highest logit after the start token alone."""
+        prompt = [self.config.decoder_start_token_id, *self.forced]
+        if None in prompt and self.lang_ids:
+            logits = self.decode([prompt[:1]], self.new_cache(hidden))[0, -1]
+            ids = sorted(self.lang_ids)  # the first of equal logits by id, as an argmax over the masked vocabulary picks
+            prompt[1] = ids[int(np.argmax(logits[ids]))]
+        prompt = [t for t in prompt if t is not None]
+        if self.no_timestamps is not None and prompt[-1] != self.no_timestamps:
+            prompt.append(self.no_timestamps)
+        return prompt
 
     def features(self, audio, *, sampling_rate: int) -> np.ndarray:
         """The model's input for ``audio``: (1, n_mels, 3000)."""

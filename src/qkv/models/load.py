@@ -157,7 +157,9 @@ def _load_hf(path: Path) -> CausalLM:
     extra = [n for n in t.unread() if n not in ignorable and not n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))]
     if extra:
         raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
-    tokenizer = tk.from_file(path / "tokenizer.json", c, str(cfg_file), eos_ids=_generation_eos(path, cfg.vocab_size))
+    # transformers' generate ends at every id of generation_config.json's eos_token_id (Qwen2.5's chat
+    # models list <|im_end|> and <|endoftext|> there, their config.json only the first)
+    tokenizer = tk.from_file(path / "tokenizer.json", c, str(cfg_file), eos_ids=_generation_config(path, c).token_id("eos_token_id", cfg.vocab_size, many=True))
     template, origin = None, f"{path}: chat template"
     if (path / "chat_template.jinja").is_file():
         template, origin = regular_file(path / "chat_template.jinja", "a chat template", max_bytes=1 << 20).read_text(encoding="utf-8"), str(path / "chat_template.jinja")
@@ -165,16 +167,6 @@ def _load_hf(path: Path) -> CausalLM:
         template, origin = read_json(path / "tokenizer_config.json").get("chat_template"), f"{path / 'tokenizer_config.json'}: chat_template"
     chat, tuned = _chat_template(template, origin, tokenizer, cfg.family)
     return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat, instruction_tuned=tuned)
-
-
-def _generation_eos(path: Path, vocab_size: int) -> tuple | None:
-    """The ids of ``generation_config.json``'s ``eos_token_id``, which end generation in transformers'
-    ``generate`` (Qwen2.5's chat models list <|im_end|> and <|endoftext|> there, their config.json
-    only the first); None where the file or the field is missing."""
-    gen_file = path / "generation_config.json"
-    if not gen_file.is_file():
-        return None
-    return FieldReader(read_json(gen_file), str(gen_file)).token_id("eos_token_id", vocab_size, many=True)
 
 
 def _generation_config(path: Path, c: dict) -> FieldReader:

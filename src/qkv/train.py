@@ -344,7 +344,7 @@ def _saved_config(text: str, source: str, tensors: dict) -> ModelConfig:
     from dataclasses import fields
 
     from .models.errors import ModelError
-    from .models.formats.files import FieldReader
+    from .models.formats.files import FieldReader, check_sizes_against
 
     try:
         raw = json.loads(text)
@@ -362,12 +362,7 @@ def _saved_config(text: str, source: str, tensors: dict) -> ModelConfig:
     values["dtype"] = get("dtype", str, defaults.dtype)
     if values["dtype"] not in ("float32", "float64"):
         raise ModelError(f"{source}: field 'dtype' should be 'float32' or 'float64', got {values['dtype']!r}")
-    largest = max((t.size for t in tensors.values()), default=0)
-    for n in ("vocab", "length", "dim", "heads", "mlp_hidden"):
-        if values[n] > largest:
-            raise ModelError(f"{source}: field {n!r} is {values[n]:,}, larger than any tensor of the file ({largest:,} values)")
-    if values["layers"] > len(tensors):
-        raise ModelError(f"{source}: field 'layers' is {values['layers']:,}, more layers than the file holds tensors ({len(tensors)})")
+    check_sizes_against(tensors, values, source, counts=("layers",), sizes=("vocab", "length", "dim", "heads", "mlp_hidden"), name="the file")
     if values["dim"] % values["heads"]:
         raise ModelError(f"{source}: dim {values['dim']} should be a multiple of heads {values['heads']}")
     return ModelConfig(**values)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import ModelError
 
-__all__ = ["regular_file", "read_json", "FieldReader", "MAX_JSON_BYTES"]
+__all__ = ["regular_file", "read_json", "FieldReader", "check_sizes_against", "MAX_JSON_BYTES"]
 
 MAX_JSON_BYTES = 64 << 20  #: config and tokenizer JSON larger than this is not a model's
 
@@ -161,6 +161,20 @@ class FieldReader:
         return tuple(int(i) for i in ids) if many else int(v)
 
 
+def check_sizes_against(tensors: dict, config: dict, source: str, *, counts, sizes, name: str) -> None:
+    """Refuse a size a file cannot hold before a config sizes anything by it: a layer count (the
+    fields ``counts``) above the file's number of tensors (each layer has its own), a size (``sizes``)
+    above its largest tensor's number of values. A ``num_hidden_layers`` of 10**30 would be a tuple of
+    that many windows, a ``head_dim`` of 2**31 a RoPE table of 4 GiB, long before a tensor's shape
+    said the file ``name`` has no such model."""
+    largest = max((w.size for w in tensors.values()), default=0)
+    for keys, most, what in ((counts, len(tensors), f"more layers than {name} holds tensors"), (sizes, largest, f"larger than any tensor of {name}")):
+        for key in keys:
+            v = config.get(key)
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > most:
+                raise ModelError(f"{source}: field {key!r} is {v:,}, {what} ({most:,})")
+
+
 class TensorReader:
     """The tensors of a directory's ``model.safetensors``, each read checked: ``t(name, shape)`` gives it
     as contiguous float32, or a :class:`ModelError` naming the file and the tensor (missing, misshapen, not
@@ -187,16 +201,8 @@ class TensorReader:
                   "head_dim", "d_kv", "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "vocab_size", "num_local_experts")  # fmt: skip
 
     def check_sizes(self, config: dict, source: str) -> None:
-        """Refuse a size the file cannot hold before a config sizes anything by it: a
-        ``num_hidden_layers`` of 10**30 would be a tuple of that many windows, a ``head_dim`` of 2**31
-        a RoPE table of 4 GiB, long before a tensor's shape said the file has no such model."""
-        largest = max((w.size for w in self.weights.values()), default=0)
-        for keys, most, what in ((self.LAYER_COUNTS, len(self.weights), f"more layers than {self.file.name} holds tensors"),
-                                 (self.DIMENSIONS, largest, f"larger than any tensor of {self.file.name}")):  # fmt: skip
-            for key in keys:
-                v = config.get(key)
-                if isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > most:
-                    raise ModelError(f"{source}: field {key!r} is {v:,}, {what} ({most:,})")
+        """:func:`check_sizes_against` this file's tensors, for the fields the families read."""
+        check_sizes_against(self.weights, config, source, counts=self.LAYER_COUNTS, sizes=self.DIMENSIONS, name=self.file.name)
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights

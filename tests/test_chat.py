@@ -159,6 +159,31 @@ def test_a_hugging_face_directory_chats_with_its_own_template(torch, tmp_path):
         load_causal_lm(d).chat([{"role": "user", "content": "x"}])
 
 
+def test_named_chat_templates_are_taken_as_transformers_takes_them(torch, tmp_path):
+    """tokenizer_config.json may list templates by name: a chat takes the one named "default"; with none of
+    that name, transformers' apply_chat_template refuses the chat, and so does qkv (the model still generates)."""
+    from test_decoder import _tiny
+    from transformers import AutoTokenizer
+
+    _, d = _tiny("qwen2", torch, tmp_path)
+    messages = [{"role": "user", "content": "w5 w7"}]
+    tool_use = CHATML.replace("<|im_start|>", "<|tool|>")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": tool_use}, {"name": "default", "template": CHATML}]}))
+    want = AutoTokenizer.from_pretrained(d).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert load_causal_lm(d).apply_chat_template(messages) == want and want.startswith("<|im_start|>user")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": tool_use}, {"name": "rag", "template": CHATML}]}))
+    with pytest.raises(ValueError, match="no default"):
+        AutoTokenizer.from_pretrained(d).apply_chat_template(messages, tokenize=False)
+    lm = load_causal_lm(d)
+    with pytest.raises(ValueError, match=r"has no chat template \(its named templates \('rag', 'tool_use'\) include none named 'default'"):
+        lm.chat(messages)
+    assert lm.instruction_tuned is True and len(lm.generate("w5", max_new_tokens=2).token_ids) == 2
+    for bad in ([{"name": "default"}], ["{{ messages }}"], [{"name": 3, "template": CHATML}]):
+        (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": bad}))
+        with pytest.raises(ModelError, match=rf"tokenizer_config.json: chat_template\[0\] should be an object with a string 'name' and 'template', got "):
+            load_causal_lm(d)
+
+
 def qkv_cli(*args, input=None):
     return subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, input=input, timeout=300)
 

@@ -102,7 +102,7 @@ def _base_model_note(lm) -> None:
 
 def _chat_model(lm):
     if lm.chat_template is None:
-        raise CLIError(f"{lm.name} has no chat template (its file carries none): use qkv generate with plain text")
+        raise CLIError(f"{lm.name} has no chat template ({lm.no_chat_template}): use qkv generate with plain text")
 
 
 def _generate_seq2seq(args, prompt: str) -> int:

@@ -118,26 +118,33 @@ def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:
     g.close()  # unmapped once the quantized matrices (views of it) are gone
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embeddings {cfg.vocab_size}")
-    chat, tuned = _chat_template(template, f"{path}: tokenizer.chat_template", tokenizer, cfg.family)
-    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=name, chat_template=chat, instruction_tuned=tuned)
+    chat, tuned, why = _chat_template(template, f"{path}: tokenizer.chat_template", tokenizer, cfg.family)
+    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=name, chat_template=chat, instruction_tuned=tuned, no_chat_template=why)
 
 
 def _chat_template(source, origin: str, tokenizer, family: str):
-    """(ChatTemplate or None, instruction_tuned): the file's template; none but a Gemma family: Gemma's turn
-    format (the model is then a base model; qkv says so where it chats); none otherwise: no chat."""
+    """(ChatTemplate or None, instruction_tuned, why there is none): the file's template; none but a Gemma
+    family: Gemma's turn format (the model is then a base model; qkv says so where it chats); none
+    otherwise: no chat."""
     from .formats.chat import GEMMA_TEMPLATE, ChatTemplate
 
-    if isinstance(source, list):  # tokenizer_config.json may list named templates: the default one
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
+    if isinstance(source, list):  # tokenizer_config.json may list named templates: the default one, as transformers takes it
+        named = {}
+        for i, t in enumerate(source):
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not isinstance(t.get("template"), str):
+                raise ModelError(f"{origin}[{i}] should be an object with a string 'name' and 'template', got {t!r:.100}")
+            named[t["name"]] = t["template"]
+        if "default" not in named:  # transformers' apply_chat_template refuses it too: which one is the chat is not said
+            return None, True, f"its named templates ({', '.join(map(repr, sorted(named)))}) include none named 'default', the one a chat takes"
+        source = named["default"]
     tuned = source is not None
     if source is None:
         if not family.startswith("gemma"):
-            return None, None
+            return None, None, None
         source, origin = GEMMA_TEMPLATE, "Gemma's turn format (qkv's, the file has no chat template)"
     bos = tokenizer.token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    return ChatTemplate(source, origin, bos_token=bos, eos_token=eos), tuned
+    return ChatTemplate(source, origin, bos_token=bos, eos_token=eos), tuned, None
 
 
 def _load_hf(path: Path) -> CausalLM:
@@ -165,8 +172,8 @@ def _load_hf(path: Path) -> CausalLM:
         template, origin = regular_file(path / "chat_template.jinja", "a chat template", max_bytes=1 << 20).read_text(encoding="utf-8"), str(path / "chat_template.jinja")
     elif (path / "tokenizer_config.json").is_file():
         template, origin = read_json(path / "tokenizer_config.json").get("chat_template"), f"{path / 'tokenizer_config.json'}: chat_template"
-    chat, tuned = _chat_template(template, origin, tokenizer, cfg.family)
-    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat, instruction_tuned=tuned)
+    chat, tuned, why = _chat_template(template, origin, tokenizer, cfg.family)
+    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat, instruction_tuned=tuned, no_chat_template=why)
 
 
 def _generation_config(path: Path, c: dict) -> FieldReader:

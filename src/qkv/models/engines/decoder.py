@@ -279,9 +279,11 @@ class CausalLM:
     """
 
     def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list, final_norm: tuple, *, lm_head: np.ndarray | None = None, positions: np.ndarray | None = None, embed_norm: tuple | None = None,
-                 tokenizer=None, name: str = "model", chat_template=None, instruction_tuned: bool | None = None):  # fmt: skip
+                 tokenizer=None, name: str = "model", chat_template=None, instruction_tuned: bool | None = None, no_chat_template: str | None = None):  # fmt: skip
         self.config = config
         self.chat_template = chat_template  # a qkv.models.formats.chat.ChatTemplate, or None
+        #: Why there is no chat template (said in the errors of a chat), when there is none.
+        self.no_chat_template = no_chat_template or "its file carries none, and qkv lends one to Gemma files only"
         #: True: the file carries a chat template (an instruction-tuned model); False: it has none and
         #: qkv lent it one (a base model); None: no chat at all.
         self.instruction_tuned = instruction_tuned
@@ -592,7 +594,7 @@ class CausalLM:
         <BLANKLINE>
         """
         if self.chat_template is None:
-            raise ValueError(f"{self.name} has no chat template (its file carries none, and qkv lends one to Gemma files only): use generate() with plain text")
+            raise ValueError(f"{self.name} has no chat template ({self.no_chat_template}): use generate() with plain text")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
     def chat(self, messages, max_new_tokens: int = 256, **options) -> GenerateOutput:

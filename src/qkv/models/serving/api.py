@@ -462,7 +462,7 @@ class _Server:
             role = "system" if m.role == "developer" else m.role
             messages.append({"role": role, "content": content or "", **({} if m.name is None else {"name": m.name})})
         if self.lm.chat_template is None:
-            raise APIError(400, f"{self.model_name} has no chat template: use /v1/completions", param="messages")
+            raise APIError(400, f"{self.model_name} has no chat template ({self.lm.no_chat_template}): use /v1/completions", param="messages")
         try:
             text = self.lm.apply_chat_template(messages)
         except Exception as exc:  # a template's own error (raise_exception), or the sandbox refusing: the client's messages

@@ -787,3 +787,20 @@ def test_a_tokenizer_that_panics_is_a_value_error_not_a_base_exception(hf_dirs, 
     assert lm.tokenizer.encode("w3 w5") == lm.tokenizer.encode("w3 w5")  # short texts are fine
     with pytest.raises(ValueError, match="the model's tokenizer failed on this text"):
         lm.generate("a" * 40 + "b", max_new_tokens=1)
+
+
+def test_a_tokenizer_with_bpe_dropout_is_refused_not_run_at_random(hf_dirs, tmp_path):
+    """BPE dropout (a training-time regularizer) skips each merge at random: the same text would get
+    other ids at each call, with no seed to fix them. Such a tokenizer.json is refused by name."""
+    from tokenizers import Tokenizer, models
+
+    d = _hf_with(hf_dirs, "llama", {}, tmp_path)
+    vocab = {"a": 3, "b": 4, "ab": 5, "abab": 6}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "ab")], dropout=0.5))
+    assert len({tuple(tok.encode("ab" * 16).ids) for _ in range(20)}) > 1  # the library's own encoding is random
+    tok.save(str(d / "tokenizer.json"))
+    with pytest.raises(ModelError, match=rf"^{d / 'tokenizer.json'}: model.dropout is 0.5: BPE dropout makes the ids of a text random"):
+        load_causal_lm(d)
+    tok.model.dropout = None
+    tok.save(str(d / "tokenizer.json"))
+    assert load_causal_lm(d).tokenizer.encode("ab" * 16) == [6] * 8

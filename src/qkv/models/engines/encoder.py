@@ -21,8 +21,8 @@ import numpy as np
 from ..._parallel import run_all
 from .bert import BertConfig, BertModel, BertOutput
 from ..errors import ModelError, TruncationWarning
-from ..formats.files import MAX_JSON_BYTES, FieldReader, model_path, read_json, regular_file
-from ..formats.tokenizer import tokenizer_call
+from ..formats.files import FieldReader, model_path, read_json, regular_file
+from ..formats.tokenizer import read_tokenizer_json, tokenizer_call
 
 __all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE"]
 
@@ -243,7 +243,7 @@ def load_model(path=None) -> SentenceEncoder:
     if not path.is_dir():
         raise ModelError(f"{path}: not a model directory")
     safetensors = _need("safetensors.numpy")
-    tokenizers = _need("tokenizers")
+    _need("tokenizers")  # missing: said before the weights are read
     config = BertConfig.from_file(path / "config.json")
     weights_file = regular_file(path / "model.safetensors", "qkv reads weights from safetensors only")
     try:
@@ -251,12 +251,7 @@ def load_model(path=None) -> SentenceEncoder:
     except Exception as exc:  # a truncated or foreign file
         raise ModelError(f"{weights_file}: cannot read safetensors ({exc})") from None
     model = BertModel.from_weights(config, weights, source=str(weights_file))
-    # A FIFO, a link to /dev/zero or a huge file stops here; bad JSON is the parser's error, wrapped below.
-    tok_file = regular_file(path / "tokenizer.json", "qkv needs a fast-tokenizer tokenizer.json", max_bytes=MAX_JSON_BYTES)
-    try:
-        tokenizer = tokenizers.Tokenizer.from_file(str(tok_file))
-    except Exception as exc:
-        raise ModelError(f"{tok_file}: cannot read tokenizer ({exc})") from None
+    tokenizer = read_tokenizer_json(path / "tokenizer.json")
 
     max_len, pooling, normalize, lowercase, include_prompt = config.max_position_embeddings, "mean", False, False, True
     prompt = _default_prompt(path / "config_sentence_transformers.json")

@@ -19,7 +19,7 @@ import numpy as np
 from ..._checks import check_id
 from ..errors import ModelError
 
-__all__ = ["TextTokenizer", "from_gguf", "from_file", "tokenizer_call"]
+__all__ = ["TextTokenizer", "from_gguf", "from_file", "read_tokenizer_json", "tokenizer_call"]
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -436,6 +436,27 @@ def _recipe(gguf, source: str, model: str, gemma: bool, types: list, unk, scores
     return description, build
 
 
+def read_tokenizer_json(path: Path):
+    """A model directory's ``tokenizer.json`` as a ``tokenizers.Tokenizer``, checked: a regular file of
+    bounded size that the library reads, and deterministic. A BPE model's ``dropout`` (a training-time
+    regularizer: each merge skipped with that probability) would give a text different ids on each
+    call, with no seed to fix them; such a file is refused rather than run at random or changed."""
+    from .files import MAX_JSON_BYTES, regular_file
+
+    tk = _tokenizers()
+    # A FIFO, a link to /dev/zero or a huge file stops here; bad JSON is the parser's error, wrapped below.
+    regular_file(path, "qkv needs a fast-tokenizer tokenizer.json", max_bytes=MAX_JSON_BYTES)
+    try:
+        tok = tk.Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot read tokenizer ({exc})") from None
+    dropout = getattr(tok.model, "dropout", None)
+    if dropout:
+        raise ModelError(f"{path}: model.dropout is {dropout}: BPE dropout makes the ids of a text random at each call; "
+                         "qkv tokenizes deterministically (set it to null to use this tokenizer)")  # fmt: skip
+    return tok
+
+
 def from_file(path: Path, config: dict, source: str | None = None, *, eos_ids=None) -> TextTokenizer:
     """The tokenizer of a Hugging Face directory (``tokenizer.json``), BOS as the config says.
 
@@ -446,15 +467,9 @@ def from_file(path: Path, config: dict, source: str | None = None, *, eos_ids=No
     (``source``: its file, for errors) are checked against its ``vocab_size`` (the tokenizer's
     size where it has none).
     """
-    from .files import MAX_JSON_BYTES, FieldReader, regular_file
+    from .files import FieldReader
 
-    tk = _tokenizers()
-    # A FIFO, a link to /dev/zero or a huge file stops here; bad JSON is the parser's error, wrapped below.
-    regular_file(path, "qkv needs a fast-tokenizer tokenizer.json", max_bytes=MAX_JSON_BYTES)
-    try:
-        tok = tk.Tokenizer.from_file(str(path))
-    except Exception as exc:
-        raise ModelError(f"{path}: cannot read tokenizer ({exc})") from None
+    tok = read_tokenizer_json(path)
     tok.no_padding()
     tok.no_truncation()
     get = FieldReader(config, source or str(Path(path).parent / "config.json"))

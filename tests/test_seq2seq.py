@@ -510,6 +510,16 @@ def test_whisper_reads_a_wav_and_the_attention_command_draws_it(torch, tmp_path)
     r = subprocess.run([sys.executable, "-m", "qkv", "attention", str(tmp_path / "ok.wav"), "--model", str(d), "--target", "w5 w6", "--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     assert "source 1500 positions (20 ms each)" in r.stdout and (tmp_path / "a" / "cross_layer1.png").stat().st_size > 1000
+    assert "target 2 tokens: ['w5', 'w6']" in r.stdout  # nothing forced
+    # A given target comes after the prompt the generation config forces, as the model reads a transcript
+    # (the prompt itself is checked against transformers in test_whisper_prompt_is_forced_as_transformers_forces_it)
+    gen = json.loads((d / "generation_config.json").read_text())
+    fields = {"lang_to_id": {"<|en|>": 10, "<|fr|>": 11}, "task_to_id": {"transcribe": 13, "translate": 14}, "no_timestamps_token_id": 15, "is_multilingual": True, "language": "fr", "task": "translate"}
+    (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+    r = subprocess.run([sys.executable, "-m", "qkv", "attention", str(tmp_path / "ok.wav"), "--model", str(d), "--target", "w5 w6", "--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "target 5 tokens: ['w11', 'w14', 'w15', 'w5', 'w6']" in r.stdout
+    (d / "generation_config.json").write_text(json.dumps(gen))
     r = subprocess.run([sys.executable, "-m", "qkv", "attention", str(tmp_path / "cd.wav"), "--model", str(d), "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0 and "sampling_rate should be 16000" in r.stderr and "resample" in r.stderr
 

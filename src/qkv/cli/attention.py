@@ -50,6 +50,8 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
         print(f"no --target: the model's own greedy output, {len(tgt)} tokens: {out.text!r}", file=sys.stderr)
     else:
         tgt = tokenizer_call(lm.tokenizer.backend.encode, _text(args.target), add_special_tokens=False).ids
+        if lm.config.family == "whisper":  # the text after the prompt its generation config forces (language, task, no timestamps), as the model reads a transcript
+            tgt = lm.decoder_prompt(lm.encode(src))[1:] + tgt
     if not tgt and kind != "encoder":
         raise CLIError("the target is empty: give --target TEXT")
     dec_in = [lm.config.decoder_start_token_id] + tgt[:-1]  # teacher forcing: row i predicts target token i

@@ -195,3 +195,22 @@ def test_a_long_text_stays_a_readable_size_and_says_where_to_look(tmp_path):
     fig = viz.plot_attention(w, [f"w{i}" for i in range(n)], scale="log", annotate=False)
     assert fig.get_size_inches()[0] <= viz.MAX_FIGURE_INCHES + 6  # the panels, plus labels and colour bar
     assert viz.labelled_every(n) == 13 and _tick_count(fig) <= viz.MAX_TICKS
+
+
+def test_tokens_with_dollar_signs_are_drawn_as_written(tmp_path):
+    """Tokens and titles come from texts and model files; matplotlib reads "$...$" as math, where a
+    token "$\\frac$" had failed the drawing and "$x^2$" had been drawn as a formula."""
+    from matplotlib.text import Text
+
+    tokens = ["$\\frac$", "$$", "$x^2$", "cost", "$5"] * 8  # 40: tick labels beyond the first are made at draw time
+    w = np.full((40, 40), 1 / 40)
+    rng = np.random.default_rng(0)
+    figs = [
+        viz.plot_attention(w, tokens, title="$\\sqrt$ model", path=tmp_path / "a.png"),
+        viz.plot_embedding_shift(rng.standard_normal((5, 8)), rng.standard_normal((5, 8)), tokens[:5], title="$\\frac$", path=tmp_path / "b.png"),
+    ]
+    for i, fig in enumerate(figs):
+        fig.savefig(tmp_path / f"direct{i}.png")  # drawn outside qkv's save too, as a user may
+        texts = [t for t in fig.findobj(Text) if "$" in t.get_text()]
+        assert texts and not any(t.get_parse_math() for t in texts)
+    assert [t.get_text() for t in figs[0].axes[0].get_xticklabels()][:3] == tokens[:3]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import contextlib
+import functools
 import textwrap
 import warnings
 from pathlib import Path
@@ -75,6 +76,19 @@ FALLBACK_FONTS = ("Noto Sans CJK JP", "Noto Sans CJK SC", "Noto Sans", "Noto San
 _warned_glyphs = False
 
 
+def _literal_text(plot):
+    """``plot`` with every text it makes drawn as written: tokens and names come from texts and model
+    files, and matplotlib reads a "$...$" in a label as math (a token "$\\frac$" failed the drawing;
+    "$x^2$" was drawn as a formula). qkv's own labels use no math."""
+
+    @functools.wraps(plot)
+    def literal(*args, **kwargs):
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return plot(*args, **kwargs)
+
+    return literal
+
+
 @contextlib.contextmanager
 def _fonts_for(fig: Figure):
     """Draw with font fallback where the system has fonts for it; at most one warning for missing glyphs.
@@ -88,7 +102,7 @@ def _fonts_for(fig: Figure):
 
     installed = {f.name for f in font_manager.fontManager.ttflist}
     families = [matplotlib.rcParams["font.sans-serif"][0], *[f for f in FALLBACK_FONTS if f in installed]]
-    with warnings.catch_warnings(record=True) as caught, matplotlib.rc_context({"font.family": "sans-serif", "font.sans-serif": families}):
+    with warnings.catch_warnings(record=True) as caught, matplotlib.rc_context({"font.family": "sans-serif", "font.sans-serif": families, "text.parse_math": False}):
         warnings.simplefilter("always")
         yield
     missing = [w for w in caught if "Glyph" in str(w.message) and "missing" in str(w.message)]
@@ -139,6 +153,7 @@ def _labels(tokens, n: int, name: str) -> list[str]:
     return tokens
 
 
+@_literal_text
 def plot_attention(
     weights,
     tokens: Sequence[str] | None = None,
@@ -262,6 +277,7 @@ def plot_attention(
     return _finish(fig, path)
 
 
+@_literal_text
 def plot_position_encoding(table, *, title: str = "Sinusoidal position encoding", path=None) -> Figure:
     """The ``(L, E)`` position-encoding table as a heatmap (positions down, dimensions across).
 
@@ -322,6 +338,7 @@ def pca_2d(*arrays) -> list[np.ndarray]:
     return [(x - center) @ axes for x in xs]
 
 
+@_literal_text
 def plot_embedding_shift(
     original,
     contextual,
@@ -454,6 +471,7 @@ def _label_offsets(fig: Figure, ax, points: np.ndarray, texts: list[str], obstac
     return out
 
 
+@_literal_text
 def plot_score_variance(stats: dict, *, title: str = "Why scale the scores by 1/sqrt(D)", path=None) -> Figure:
     """Score variance and softmax peakedness vs head dim, unscaled vs scaled.
 
@@ -501,6 +519,7 @@ def plot_score_variance(stats: dict, *, title: str = "Why scale the scores by 1/
     return _finish(fig, path)
 
 
+@_literal_text
 def plot_training(history, *, title: str = "Training", path=None) -> Figure:
     """Loss and accuracy over training steps, from ``qkv.train``'s history of (step, loss, accuracy).
 
@@ -530,6 +549,7 @@ def plot_training(history, *, title: str = "Training", path=None) -> Figure:
     return _finish(fig, path)
 
 
+@_literal_text
 def plot_block_mask(block_mask, *, batch: int = 0, head: int = 0, title: str | None = None, path=None) -> Figure:
     """A block mask's tiles for one batch entry and head: skipped (empty), masked (partial), computed whole (full).
 

@@ -106,3 +106,11 @@ def test_embed_command_on_a_local_cluster(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "d.npy"), blank_rows_zero(lines, load_model().encode(lines)), atol=1e-6)
     r = subprocess.run([sys.executable, "-m", "qkv", "embed", "--input", str(src), "--output", "d.npy", "--scheduler", "tcp://127.0.0.1:1"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and "cannot reach the Dask scheduler at --scheduler 'tcp://127.0.0.1:1'" in r.stderr
+
+
+def test_bad_sizes_are_refused_before_any_cluster_starts(tmp_path):
+    src = write(tmp_path, ["a", "b"])
+    for kwargs, error, match in (({"batch_size": 10**20}, ValueError, "batch_size should be at most 4096"), ({"batch_size": 0}, ValueError, "batch_size should be >= 1"),
+                                 ({"partition_lines": 1.5}, TypeError, "partition_lines should be an integer, got float")):  # fmt: skip
+        with pytest.raises(error, match=match):
+            embed_corpus(src, tmp_path / "x.npy", client=None, **kwargs)

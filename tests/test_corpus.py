@@ -204,10 +204,30 @@ def test_embed_and_search_commands(tmp_path):
         (["embed", "a", "--input", str(src), "--output", "x.npy"], "give TEXT arguments or --input, not both"),
         (["embed"], "give TEXT arguments, or --input FILE"),
         (["embed", "a", "--resume"], "--resume has no effect without --input"),
+        (["embed", "a", "--workers", "0"], "--workers has no effect without --input"),  # (0 had passed: 0 == False)
+        (["embed", "a", "--batch-size", "-1"], "--batch-size should be in [1, 4096], got -1"),  # (had been ignored without --input)
+        (["embed", "--input", str(src), "--output", "x.npy", "--batch-size", str(10**20)], "--batch-size should be in [1, 4096], got 100000000000000000000"),
         (["search", "q", "--index", "missing.npy"], "--index 'missing.npy' is not a file"),
     ):
         r = run(*args)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+
+
+def test_batch_sizes_are_checked_everywhere(encoder, tmp_path):
+    """A batch size is an integer in [1, MAX_BATCH_SIZE]: 10**20 had made one batch of a whole corpus
+    (embed_file then reads the whole file into memory), 1.5 had failed inside range()."""
+    from qkv.models.engines.encoder import MAX_BATCH_SIZE
+
+    src = write(tmp_path, ["a", "b"])
+    for bad, error in ((0, ValueError), (MAX_BATCH_SIZE + 1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="batch_size should be"):
+            encoder.encode(["a"], batch_size=bad)
+        with pytest.raises(error, match="batch_size should be"):
+            embed_file(encoder, src, tmp_path / "x.npy", batch_size=bad)
+    with pytest.raises(TypeError, match="chunk_batches should be an integer, got float"):
+        embed_file(encoder, src, tmp_path / "x.npy", chunk_batches=2.5)
+    one, two = encoder.encode(["a", "bb", "c c c"], batch_size=1), encoder.encode(["a", "bb", "c c c"], batch_size=MAX_BATCH_SIZE)
+    np.testing.assert_allclose(one, two, rtol=0, atol=1e-5)
 
 
 def test_streamed_embeddings_equal_sentence_transformers(encoder, tmp_path):

@@ -46,7 +46,8 @@ def test_the_environment_variable_is_the_default(monkeypatch):
     qkv.set_num_threads(None)  # BLAS back to its own default too
 
 
-@pytest.mark.parametrize("value, error, message", [(0, ValueError, "n should be >= 1, got 0"), (1.5, TypeError, "n should be a positive integer, got float"), (True, TypeError, "got bool")])
+@pytest.mark.parametrize("value, error, message", [(0, ValueError, "n should be >= 1, got 0"), (1.5, TypeError, "n should be a positive integer, got float"), (True, TypeError, "got bool"),
+                                                    (10**20, ValueError, "n should be at most 1024 threads, got 100000000000000000000")])  # (had failed inside threadpoolctl)
 def test_bad_counts_are_named(value, error, message):
     with pytest.raises(error, match=message):
         qkv.set_num_threads(value)
@@ -148,7 +149,11 @@ def test_every_command_takes_threads():
     for name, sub in commands.items():
         assert any("--threads" in a.option_strings for a in sub._actions), name
     r = _run(["-m", "qkv", "demo", "--threads", "0"])
-    assert r.returncode == 2 and "argument --threads: should be at least 1, got 0" in r.stderr
+    assert r.returncode == 2 and "argument --threads: should be in [1, 1024], got 0" in r.stderr
+    r = _run(["-m", "qkv", "demo", "--threads", str(10**20)])  # had been "a bug in qkv": an OverflowError in threadpoolctl
+    assert r.returncode == 2 and f"argument --threads: should be in [1, 1024], got {10**20}" in r.stderr
+    r = _run(["-m", "qkv", "demo"], {threads.ENV: "1025"})
+    assert r.returncode == 2 and "QKV_NUM_THREADS should be at most 1024 threads, got 1025" in r.stderr
     r = _run(["-m", "qkv", "demo"], {threads.ENV: "abc"})
     assert r.returncode == 2 and "QKV_NUM_THREADS should be a positive integer, got 'abc'" in r.stderr
 

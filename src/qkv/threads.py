@@ -44,10 +44,13 @@ import os
 import threading
 import time
 
-__all__ = ["get_num_threads", "set_num_threads", "available_cores", "busy_cores", "ENV", "PERIOD"]
+__all__ = ["get_num_threads", "set_num_threads", "available_cores", "busy_cores", "ENV", "PERIOD", "MAX_THREADS"]
 
 #: The environment variable read when :func:`set_num_threads` was not called.
 ENV = "QKV_NUM_THREADS"
+#: The most threads a count may name (llama.cpp's bound is 512): a count past it is a typo, and one past
+#: 2**63 had failed inside threadpoolctl's call into BLAS.
+MAX_THREADS = 1024
 
 _lock = threading.Lock()
 _blas_setters: list = []  # qkv._parallel.set_blas_threads, registered when it loads
@@ -196,11 +199,14 @@ def busy_cores() -> float:
 
 
 def check_count(n, name: str, *, none_ok: bool = False) -> int:
-    """``n`` as a positive int, or a TypeError / ValueError naming ``name`` (``none_ok``: the caller takes None too, and says so)."""
+    """``n`` as an int in [1, :data:`MAX_THREADS`], or a TypeError / ValueError naming ``name`` (``none_ok``: the
+    caller takes None too, and says so)."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
         raise TypeError(f"{name} should be a positive integer{' or None' if none_ok else ''}, got {type(n).__name__} {n!r}")
     if n < 1:
         raise ValueError(f"{name} should be >= 1, got {n}")
+    if n > MAX_THREADS:
+        raise ValueError(f"{name} should be at most {MAX_THREADS} threads, got {n}")
     return int(n)
 
 

@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 
 from .. import _numba_cache
-from ..threads import ENV, get_num_threads, set_num_threads
+from ..threads import ENV, MAX_THREADS, get_num_threads, set_num_threads
 from .common import CLIError, DECODER_NAME, DEFAULT_TEXT, ENCODER_NAME, MAX_TABLE_TOKENS
 from .demo import cmd_demo
 from .embed import cmd_embed, cmd_search
@@ -164,8 +164,8 @@ def _thread_count(text: str) -> int:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"should be a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"should be at least 1, got {n}")
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"should be in [1, {MAX_THREADS}], got {n}")
     return n
 
 

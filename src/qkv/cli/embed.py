@@ -26,8 +26,6 @@ def _embed_input(args) -> int:
         raise CLIError("--json has no effect with --input (the embeddings go to --output)")
     if args.input != "-" and not Path(args.input).is_file():
         raise CLIError(f"--input {args.input!r} is not a file")
-    if args.batch_size < 1:
-        raise CLIError(f"--batch-size should be >= 1, got {args.batch_size}")
     if args.workers is not None or args.scheduler is not None:
         return _embed_dask(args)
     enc = _load(args.model)
@@ -89,10 +87,14 @@ def _embed_dask(args) -> int:
 
 
 def cmd_embed(args) -> int:
+    from ..models.engines.encoder import MAX_BATCH_SIZE
+
+    if not 1 <= args.batch_size <= MAX_BATCH_SIZE:
+        raise CLIError(f"--batch-size should be in [1, {MAX_BATCH_SIZE}], got {args.batch_size}")
     if args.input is not None:
         return _embed_input(args)
     for name in ("resume", "quiet", "workers", "scheduler"):
-        if getattr(args, name) not in (None, False):
+        if getattr(args, name) is not None and getattr(args, name) is not False:  # (a --workers of 0 too: 0 == False)
             raise CLIError(f"--{name} has no effect without --input")
     if not args.texts:
         raise CLIError("give TEXT arguments, or --input FILE (one text per line) with --output FILE.npy")
@@ -102,7 +104,7 @@ def cmd_embed(args) -> int:
     if args.output and Path(args.output).suffix != ".npy":
         raise CLIError(f"--output should end in .npy, got {args.output!r}")
     enc = _load(args.model)
-    vectors = enc.encode(args.texts)  # (N, E)
+    vectors = enc.encode(args.texts, batch_size=args.batch_size)  # (N, E)
     sim = _cosine(vectors)
     if args.output:
         path = Path(args.output)

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._checks import check_int
 from ..._files import NpyRows
+from ..engines.encoder import check_batch_size
 from .index import _count_lines, _chunks, encode_lines, iter_texts, truncated_lines, warn_truncated
 
 __all__ = ["embed_corpus"]
@@ -150,9 +152,8 @@ def embed_corpus(paths_or_texts, output, *, client=None, workers: int | None = N
     output = Path(output)
     if output.suffix != ".npy":
         raise ValueError(f"output should end in .npy, got {str(output)!r}")
-    size = batch_size * 16 if partition_lines is None else partition_lines
-    if batch_size < 1 or size < 1:
-        raise ValueError(f"batch_size and partition_lines should be >= 1, got {batch_size} and {size}")
+    batch_size = check_batch_size(batch_size)
+    size = batch_size * 16 if partition_lines is None else check_int(partition_lines, "partition_lines", minimum=1)
     n, texts = _sources(paths_or_texts, format, field, errors)
     if n == 0:
         raise ValueError("the corpus is empty: nothing to embed")

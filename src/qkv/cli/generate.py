@@ -73,8 +73,10 @@ def _sampling(args) -> dict:
         v = getattr(args, name)
         if v is not None and not 0 < v <= 1:
             raise CLIError(f"--{name.replace('_', '-')} should be in (0, 1], got {v}")
-    if not 0 < args.repetition_penalty < float("inf"):
-        raise CLIError(f"--repetition-penalty should be a finite number > 0 (1 = none), got {args.repetition_penalty}")
+    from ..models.engines.sampling import MAX_PENALTY
+
+    if not 1 / MAX_PENALTY <= args.repetition_penalty <= MAX_PENALTY:  # (float32 logits break past it)
+        raise CLIError(f"--repetition-penalty should be a number in [1e-6, 1e6] (1 = none), got {args.repetition_penalty}")
     stop = [unescape(x) for x in args.stop or []]
     if any(not x for x in stop):
         raise CLIError("--stop should be a non-empty string")

@@ -23,13 +23,18 @@ import numpy as np
 
 from ...softmax import softmax
 
-__all__ = ["next_token", "check_sampling", "check_penalty", "penalize"]
+__all__ = ["next_token", "check_sampling", "check_penalty", "penalize", "MAX_PENALTY"]
+
+#: The repetition penalty lies in [1 / MAX_PENALTY, MAX_PENALTY]. Past it the logits' float32 breaks:
+#: a penalty of 1e-50 is 0 in float32 (a division by zero), one of 1e300 infinite; and a factor of a
+#: million already makes a seen token as good as banned (or forced).
+MAX_PENALTY = 1e6
 
 
 def check_penalty(repetition_penalty, min_p):
-    """Validated ``(repetition_penalty, min_p)``: a penalty > 0 (1 = none), min_p in (0, 1] or None."""
-    if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, numbers.Real) or not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty should be a finite number > 0 (1 = none, above 1 discourages repeats), got {repetition_penalty!r}")
+    """Validated ``(repetition_penalty, min_p)``: a penalty in [1e-6, 1e6] (1 = none), min_p in (0, 1] or None."""
+    if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, numbers.Real) or not 1 / MAX_PENALTY <= repetition_penalty <= MAX_PENALTY:
+        raise ValueError(f"repetition_penalty should be a number in [1e-6, 1e6] (1 = none, above 1 discourages repeats), got {repetition_penalty!r}")
     if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 < min_p <= 1):
         raise ValueError(f"min_p should be in (0, 1] (or None), got {min_p!r}")
     return float(repetition_penalty), None if min_p is None else float(min_p)
@@ -82,7 +87,11 @@ def next_token(logits: np.ndarray, *, temperature: float = 0.0, top_k: int | Non
     """
     if temperature == 0:
         return int(np.argmax(logits))
-    x = logits.astype(np.float64) / temperature
+    # The largest logit taken off first: every value is then <= 0, and a tiny temperature sends the others
+    # to -inf (the greedy limit), where dividing the logits themselves had overflowed to inf - inf = NaN.
+    x = logits.astype(np.float64)
+    with np.errstate(over="ignore"):
+        x = (x - x.max()) / temperature
     keep = np.ones(x.shape, bool)
     if top_k is not None and top_k < x.size:
         kth = np.partition(x, -top_k)[-top_k]

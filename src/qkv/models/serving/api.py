@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..engines.sampling import MAX_PENALTY
 from .http import READ_TIMEOUT
 from .scheduler import Closed, Request
 
@@ -102,7 +103,7 @@ class _Body(_Strict):
     # beyond OpenAI's arguments, as vLLM and llama-server name them: qkv generate's options of the same names
     top_k: int | None = Field(default=None, ge=1)
     min_p: float | None = Field(default=None, gt=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, ge=1 / MAX_PENALTY, le=MAX_PENALTY)  # (float32 logits break past it)
     # OpenAI's, changing nothing here
     user: str | None = None
     # OpenAI's, not implemented (_UNSUPPORTED)

@@ -450,6 +450,40 @@ def test_a_bad_bound_is_refused_before_anything_loads(option, value):
     assert r.returncode == 2 and option in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_port_0_serves_on_the_free_port_it_names_and_a_port_in_use_is_said_before_loading():
+    import re
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "qkv", "serve", "--port", str(taken)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{taken}: Address already in use" in r.stderr and "loading" not in r.stderr, r.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "qkv", "serve", "--port", "0", "--embedding-model", "none"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:  # the announcement had said port 0
+            line = proc.stderr.readline()
+            assert line, "qkv serve exited before serving"
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1))
+        assert port > 0
+        for _ in range(100):
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                c.request("GET", "/health")
+                assert c.getresponse().status == 200
+                c.close()
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError(f"nothing answered at the port named, {port}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stderr.close()
+
+
 def test_serving_beyond_this_machine_without_a_key_is_pointed_out():
     from qkv.cli.serve import exposure_note
 

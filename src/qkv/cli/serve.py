@@ -64,6 +64,23 @@ def exposure_note(host: str, key: str | None, origins=()) -> str | None:
     return f"qkv: note: listening on {host} without --api-key: anyone who can reach this port can use the model (and the machine's cores)"
 
 
+def _listen(host: str, port: int):
+    """A socket bound to ``host:port`` (as uvicorn binds one), for uvicorn to serve on. Bound here, the port
+    can be named: ``--port 0`` takes a free one, which had been announced as port 0; and a port in use or an
+    unknown host is qkv's error rather than a line of uvicorn's log."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def cmd_serve(args) -> int:
     try:
         import uvicorn  # noqa: F401 (the serve extra's: its absence is told here, before anything loads)
@@ -96,6 +113,7 @@ def cmd_serve(args) -> int:
         origins = check_origins(args.allow_origin)
     except ValueError as e:
         raise CLIError(f"--allow-origin: {e}") from None
+    sock = _listen(args.host, args.port)  # before the model loads: a port in use is said at once
     lm = _load(args.model, "decoder")
     if lm.config.max_positions and args.context > lm.config.max_positions:
         raise CLIError(f"--context ({args.context}) is past {lm.name}'s {lm.config.max_positions} positions")
@@ -115,13 +133,13 @@ def cmd_serve(args) -> int:
     scheduler, app = build(lm, model_name=name, api_key=key, embedder=embedder, embedding_name=embedding_name, kv_tokens=args.kv_tokens, page_size=args.page_size, max_batch=args.max_batch,
                            max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, int8_activations=args.int8_activations, seed=args.seed, limits=limits, allow_origins=origins)  # fmt: skip
     scheduler.start()
-    where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
+    where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{sock.getsockname()[1]}/v1"  # (--port 0: the port the system gave)
     note = exposure_note(args.host, key, origins)
     if note:
         print(note, file=sys.stderr, flush=True)
     print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'}{'; int8 activations' if args.int8_activations else ''})", file=sys.stderr, flush=True)
     try:
-        server(config(app, host=args.host, port=args.port, log_level=args.log_level, read_timeout=args.read_timeout, max_connections=args.max_connections), scheduler.close).run()
+        server(config(app, host=args.host, port=args.port, log_level=args.log_level, read_timeout=args.read_timeout, max_connections=args.max_connections), scheduler.close).run(sockets=[sock])
     finally:
         scheduler.close()
     return 0

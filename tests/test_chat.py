@@ -132,6 +132,47 @@ def test_repetition_penalty_and_min_p_follow_transformers(torch):
         assert draws <= set(np.nonzero(kept)[0]) and np.argmax(logits) in draws
 
 
+def test_the_sampled_distribution_is_transformers_warpers_distribution(torch):
+    """temperature, top-k, top-p and min-p, alone and together, against transformers' warpers run in
+    generate's order: the same tokens kept and the same probabilities (random logits, with ties)."""
+    from transformers.generation.logits_process import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from qkv.models.engines.sampling import token_probabilities
+
+    rng = np.random.default_rng(1)
+    checked = ties = 0
+    for trial in range(300):
+        V = int(rng.integers(2, 80))
+        logits = (rng.standard_normal(V) * rng.uniform(0.3, 4)).astype(np.float32)
+        if trial % 3 == 0:  # ties: a few distinct values
+            logits = np.round(logits).astype(np.float32)
+        t = float(rng.choice([1.0, rng.uniform(0.2, 2.0)]))
+        k = int(rng.integers(1, V + 1)) if rng.random() < 0.6 else None
+        top_p = float(rng.uniform(0.05, 1.0)) if rng.random() < 0.6 else None
+        min_p = float(rng.uniform(0.01, 0.6)) if rng.random() < 0.4 else None
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else []) + ([TopPLogitsWarper(top_p)] if top_p and top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else []))
+        scores = warpers(None, torch.tensor(logits, dtype=torch.float64)[None])
+        want = torch.softmax(scores, -1)[0].numpy()
+        got = token_probabilities(logits, temperature=t, top_k=k, top_p=top_p, min_p=min_p)
+        assert got.dtype == np.float64
+        # a token at a cut's very edge (its cumulative mass equal to top_p in the last bits) may fall either way
+        if top_p:
+            before = LogitsProcessorList([TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else []))(None, torch.tensor(logits, dtype=torch.float64)[None])
+            if np.min(np.abs(np.cumsum(np.sort(torch.softmax(before, -1)[0].numpy())[::-1]) - top_p)) < 1e-9:
+                continue
+        np.testing.assert_allclose(np.sort(got), np.sort(want), rtol=1e-9, atol=1e-12)  # the same probabilities
+        cut = want[want > 0].min()
+        if top_p and np.any(np.isclose(got, cut, rtol=1e-12, atol=0) & (want == 0)):
+            # tokens tied at top-p's cut: transformers keeps those torch's unstable sort puts last; qkv the
+            # lower ids, as greedy picks the lowest
+            ties += 1
+            continue
+        np.testing.assert_array_equal(got > 0, want > 0, err_msg=f"trial {trial}: t={t} k={k} top_p={top_p} min_p={min_p}")
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+        checked += 1
+    assert checked >= 250 and ties > 0
+
+
 def test_greedy_with_a_repetition_penalty_equals_transformers(torch, tmp_path):
     from test_decoder import _tiny
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...softmax import softmax
 
-__all__ = ["next_token", "check_sampling", "check_penalty", "penalize", "MAX_PENALTY"]
+__all__ = ["next_token", "token_probabilities", "check_sampling", "check_penalty", "penalize", "MAX_PENALTY"]
 
 #: The repetition penalty lies in [1 / MAX_PENALTY, MAX_PENALTY]. Past it the logits' float32 breaks:
 #: a penalty of 1e-50 is 0 in float32 (a division by zero), one of 1e300 infinite; and a factor of a
@@ -72,8 +72,43 @@ def penalize(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
     return out
 
 
+def token_probabilities(logits: np.ndarray, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None) -> np.ndarray:  # (V,) -> (V,)
+    """The distribution a sample draws from: ``softmax(logits / temperature)`` over the tokens top-k, top-p
+    and min-p keep (in that order, as transformers' warpers run), 0 for the others; float64.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> token_probabilities(np.log([0.5, 0.3, 0.15, 0.05]), top_p=0.75).round(3).tolist()  # 0.5 < 0.75 <= 0.8: two kept
+    [0.625, 0.375, 0.0, 0.0]
+    """
+    # The largest logit taken off first: every value is then <= 0, and a tiny temperature sends the others
+    # to -inf (the greedy limit), where dividing the logits themselves had overflowed to inf - inf = NaN.
+    x = logits.astype(np.float64)
+    with np.errstate(over="ignore"):
+        x = (x - x.max()) / temperature
+    keep = np.ones(x.shape, bool)
+    if top_k is not None and top_k < x.size:
+        kth = np.partition(x, -top_k)[-top_k]
+        keep &= x >= kth  # (ties with the k-th stay, as transformers' TopKLogitsWarper keeps them)
+    if top_p is not None and top_p < 1:
+        # The least likely tokens go while their mass stays within 1 - top_p, summed from the least likely
+        # up as transformers' TopPLogitsWarper sums. Of tokens tied at the cut the lower ids stay, as greedy
+        # picks the lowest (transformers leaves it to torch's unstable sort).
+        p = softmax(x, where=keep)
+        order = np.lexsort((-np.arange(p.size), p))  # least likely first; of equals, the higher id first
+        drop = np.cumsum(p[order]) <= 1 - top_p
+        drop[-1] = False  # the most likely always stays
+        keep[order[drop]] = False
+    if min_p is not None:
+        p = softmax(x, where=keep)
+        keep &= p >= min_p * p.max()  # the most likely token always stays
+    return softmax(x, where=keep)
+
+
 def next_token(logits: np.ndarray, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None, rng: np.random.Generator | None = None) -> int:
-    """One token id from ``(V,)`` logits (already penalised: :func:`penalize`).
+    """One token id from ``(V,)`` logits (already penalised: :func:`penalize`): the most likely at
+    ``temperature`` 0, else a draw from :func:`token_probabilities`.
 
     Examples
     --------
@@ -87,26 +122,5 @@ def next_token(logits: np.ndarray, *, temperature: float = 0.0, top_k: int | Non
     """
     if temperature == 0:
         return int(np.argmax(logits))
-    # The largest logit taken off first: every value is then <= 0, and a tiny temperature sends the others
-    # to -inf (the greedy limit), where dividing the logits themselves had overflowed to inf - inf = NaN.
-    x = logits.astype(np.float64)
-    with np.errstate(over="ignore"):
-        x = (x - x.max()) / temperature
-    keep = np.ones(x.shape, bool)
-    if top_k is not None and top_k < x.size:
-        kth = np.partition(x, -top_k)[-top_k]
-        keep &= x >= kth
-    if top_p is not None and top_p < 1:
-        p = softmax(x, where=keep)
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        # Keep tokens until the mass before them reaches top_p (the first always stays).
-        cut = np.searchsorted(cum, top_p, side="left") + 1
-        nucleus = np.zeros_like(keep)
-        nucleus[order[:cut]] = True
-        keep &= nucleus
-    if min_p is not None:
-        p = softmax(x, where=keep)
-        keep &= p >= min_p * p.max()  # the most likely token always stays
-    p = softmax(x, where=keep)
+    p = token_probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     return int(rng.choice(p.size, p=p))

@@ -8,6 +8,8 @@ transformers' GGUF loader (a second, independent reader) reads it back into the 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 CONTROL, NORMAL, USER_DEFINED, BYTE, UNKNOWN = 3, 1, 4, 6, 2
@@ -77,6 +79,27 @@ def random_kquant_rows(qtype, rows: int, cols: int, rng):
     return raw.reshape(rows, -1)
 
 
+def _llama3_rope_factors(dim: int, rope: dict) -> np.ndarray:
+    """Llama 3.1's RoPE scaling as llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) stores it: for each
+    frequency the number llama.cpp divides it by: 1 for short wavelengths, the factor for long ones, and a
+    smooth mix between. Written here in the converter's own terms (a loop of Python floats), not qkv's."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / base ** (i / dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
 def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool = False, chat_template=None, rng=None, add_bos="as converters write it"):
     """Write ``model`` (a transformers model of family ``arch``) to ``path`` in llama.cpp's layout.
 
@@ -87,6 +110,7 @@ def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool
     import gguf
 
     cfg = model.config
+    extra = {}  # tensors of llama.cpp's own, not in the model's state dict
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     n = cfg.num_hidden_layers
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gpt2": "GPT2"}[arch]], n)
@@ -111,6 +135,12 @@ def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta))
         w.add_rope_dimension_count(D)
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        if rope.get("rope_type") in ("linear", "yarn"):  # as llama.cpp's converter writes these scalings
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if rope["rope_type"] == "linear" else gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(float(rope["factor"]))
+        elif rope.get("rope_type") == "llama3":  # its converter's rope_freqs.weight: a divisor for each frequency
+            extra["rope_freqs.weight"] = _llama3_rope_factors(D, rope)
         if arch == "qwen3":
             w.add_key_length(D)
             w.add_value_length(D)
@@ -167,6 +197,9 @@ def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool
         else:
             w.add_tensor(gname, np.ascontiguousarray(t))
             written[gname] = t
+    for gname, t in extra.items():
+        w.add_tensor(gname, t)
+        written[gname] = t
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

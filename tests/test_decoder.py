@@ -434,6 +434,50 @@ def test_hf_family_cache_equals_full_pass(family, torch, tmp_path):
         assert layer.stored == (20 if w is None else min(20, w - 1))
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3_ROPE, {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}], ids=["llama3", "linear"])
+def test_hf_llama_rope_scaling_equals_transformers(scaling, torch, tmp_path):
+    """Llama 3.1's RoPE scaling (Llama 3.1, 3.2, 3.3: rope_type "llama3"), and linear scaling, as
+    transformers computes them: logits and greedy tokens; a cache equals the full pass. (Refused before.)
+    With a head of 8, base 500,000 and 256 original positions its four frequencies meet every case: one
+    kept, one smoothed, two divided by the factor."""
+    model, d = _tiny("llama", torch, tmp_path, rope_parameters=scaling)
+    lm = load_causal_lm(d)
+    ids = np.random.default_rng(0).integers(3, 97, size=(2, 40))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(lm(ids), want, atol=1e-5, rtol=0)
+    cache = lm.new_cache()
+    steps = np.concatenate([lm(ids[0, :30], cache)] + [lm(ids[0, t : t + 1], cache) for t in range(30, 40)])
+    np.testing.assert_allclose(steps, want[0], atol=1e-5, rtol=0)
+    prompt = ids[0, :5].tolist()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    assert lm.generate(prompt, max_new_tokens=12, stop_at_eos=False).token_ids == ref
+    # the scaling matters here: the same weights with plain RoPE give other logits
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}))
+    assert np.abs(load_causal_lm(d)(ids) - want).max() > 1e-4
+
+
+def test_hf_rope_scaling_errors(torch, tmp_path):
+    _, d = _tiny("llama", torch, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    for rope, match in (({"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic' is not supported \\(only 'default', 'linear' and 'llama3'\\)"),
+                        ({**LLAMA3_ROPE, "low_freq_factor": None}, "rope_parameters: missing field 'low_freq_factor'"),
+                        ({**LLAMA3_ROPE, "high_freq_factor": 0.5}, "low_freq_factor and high_freq_factor should be numbers with 0 < low < high"),
+                        ({**LLAMA3_ROPE, "factor": 0.5}, "factor should be a finite number >= 1"),
+                        ({"rope_type": "linear", "rope_theta": 1e4}, "rope_parameters: missing field 'factor'")):  # fmt: skip
+        (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
+        with pytest.raises(ModelError, match=match):
+            load_causal_lm(d)
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "yarn", "factor": 2.0}}))  # the older key
+    with pytest.raises(ModelError, match="rope_scaling: rope type 'yarn' is not supported"):
+        load_causal_lm(d)
+
+
 def test_hf_errors(torch, tmp_path):
     _, d = _tiny("llama", torch, tmp_path)
     cfg = json.loads((d / "config.json").read_text())

@@ -77,6 +77,34 @@ def test_gguf_family_equals_transformers(family, outtype, torch, tmp_path, bpe):
     assert lm.generate(prompt, max_new_tokens=12, stop_at_eos=False).token_ids == ref
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+                                     {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])  # fmt: skip
+def test_gguf_llama_rope_scaling_equals_transformers(scaling, torch, tmp_path, bpe):
+    """Llama 3.1's RoPE scaling as llama.cpp's files carry it (a rope_freqs.weight of divisors), and linear
+    scaling (llama.rope.scaling.type and .factor), against transformers on the model itself (its GGUF
+    reader reads neither). Refused before."""
+    model = _model("llama", torch, len(bpe[0]), rope_parameters={"rope_theta": 500000.0, **scaling})
+    path = tmp_path / "scaled.gguf"
+    gguf_writer.write(model, path, arch="llama", vocab=bpe)
+    lm = load_causal_lm(path)
+    ids = np.random.default_rng(0).integers(0, len(bpe[0]) - 3, size=(2, 40))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(lm(ids), want, atol=1e-5, rtol=0)
+    prompt = ids[0, :5].tolist()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    assert lm.generate(prompt, max_new_tokens=12, stop_at_eos=False).token_ids == ref
+    plain = _model("llama", torch, len(bpe[0]), rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    with torch.no_grad():
+        assert np.abs(plain(torch.tensor(ids)).logits.numpy() - want).max() > 1e-4  # (the same weights: the scaling shows)
+    # quantized (Q8_0, the compiled decode step): the greedy tokens of its dequantized reference
+    gguf_writer.write(model, tmp_path / "q8.gguf", arch="llama", outtype="Q8_0", vocab=bpe)
+    q8, ref = load_causal_lm(tmp_path / "q8.gguf"), load_causal_lm(tmp_path / "q8.gguf", keep_quantized=False)
+    np.testing.assert_allclose(q8(ids), ref(ids), atol=1e-4, rtol=0)
+    assert q8.generate(prompt, max_new_tokens=12, stop_at_eos=False).token_ids == ref.generate(prompt, max_new_tokens=12, stop_at_eos=False).token_ids
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_gguf_kquant_family_equals_transformers(family, qtype, torch, tmp_path, bpe):
@@ -206,6 +234,18 @@ def test_gguf_family_errors(torch, tmp_path, bpe):
     (other).write_bytes(raw.replace(b"llama-bpe", b"tekkenxyz", 1))
     with pytest.raises(ModelError, match="tokenizer.ggml.pre 'tekkenxyz' is not supported"):
         load_causal_lm(other)
+    # RoPE scaling qkv does not run (YaRN on a llama file), and a rope_freqs.weight that is no divisor
+    yarn = _model("llama", torch, len(bpe[0]), rope_parameters={"rope_theta": 500000.0, "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128})
+    gguf_writer.write(yarn, tmp_path / "yarn.gguf", arch="llama", vocab=bpe)
+    with pytest.raises(ModelError, match="RoPE scaling 'yarn' is not supported"):
+        load_causal_lm(tmp_path / "yarn.gguf")
+    rope = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    gguf_writer.write(_model("llama", torch, len(bpe[0]), rope_parameters=rope), tmp_path / "l3.gguf", arch="llama", vocab=bpe)
+    raw, factors = (tmp_path / "l3.gguf").read_bytes(), gguf_writer._llama3_rope_factors(8, rope)
+    i = raw.rfind(factors.tobytes())
+    (tmp_path / "bad.gguf").write_bytes(raw[:i] + np.zeros_like(factors).tobytes() + raw[i + factors.nbytes :])
+    with pytest.raises(ModelError, match=r"tensor 'rope_freqs.weight' should hold numbers > 0, got 0.0"):
+        load_causal_lm(tmp_path / "bad.gguf")
 
 
 def test_gguf_quantized_weights_are_views_of_the_mapped_file(torch, tmp_path, bpe):

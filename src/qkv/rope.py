@@ -29,7 +29,7 @@ import numpy as np
 
 from ._checks import as_array, check_int
 
-__all__ = ["rope_frequencies", "rope_angles", "yarn_frequencies", "apply_rope"]
+__all__ = ["rope_frequencies", "rope_angles", "yarn_frequencies", "llama3_frequencies", "apply_rope"]
 
 
 def __dir__():  # what dir() and tab completion list: the API, not the imports
@@ -166,6 +166,42 @@ def yarn_frequencies(dim: int, base: float, factor: float, original_max_position
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
     keep = np.float32(1) - ramp  # 1: extrapolate (high frequencies), 0: interpolate
     return (interpolation * (np.float32(1) - keep) + extrapolation * keep).astype(np.float32), float(attention_factor)
+
+
+def llama3_frequencies(dim: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_positions: int) -> np.ndarray:
+    """Llama 3.1's RoPE frequencies (``rope_type="llama3"``; Llama 3.1, 3.2, 3.3), as transformers computes them.
+
+    A frequency whose wavelength ``2 pi / theta`` is shorter than ``original_max_positions /
+    high_freq_factor`` is kept; one longer than ``original_max_positions / low_freq_factor`` is divided by
+    ``factor`` (interpolated, as if the positions were ``factor`` times closer); between the two, a
+    smooth mix of both. Llama 3.2 1B: base 500,000, factor 32, low 1, high 4, 8,192 positions.
+
+    Returns
+    -------
+    ndarray, shape (dim // 2,), float32
+
+    Examples
+    --------
+    >>> from qkv.rope import llama3_frequencies, rope_frequencies
+    >>> f = llama3_frequencies(8, 500000.0, 32.0, 1.0, 4.0, 512)
+    >>> (f / rope_frequencies(8, 500000.0).astype(float)).round(4).tolist()  # the fastest kept, the slowest 32 times slower
+    [1.0, 0.6979, 0.0312, 0.0312]
+    """
+    if not (math.isfinite(factor) and factor >= 1):
+        raise ValueError(f"factor should be a finite number >= 1, got {factor!r}")
+    if not (0 < low_freq_factor < high_freq_factor < math.inf):
+        raise ValueError(f"low_freq_factor and high_freq_factor should be numbers with 0 < low < high, got {low_freq_factor!r} and {high_freq_factor!r}")
+    original_max_positions = check_int(original_max_positions, "original_max_positions", minimum=1)
+    # Each step in float32 with Python-float constants, as transformers' _compute_llama3_parameters computes it
+    inv_freq = rope_frequencies(dim, base)
+    f32 = np.float32
+    low_wavelen, high_wavelen = original_max_positions / low_freq_factor, original_max_positions / high_freq_factor
+    wavelen = f32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > f32(low_wavelen), inv_freq / f32(factor), inv_freq)
+    smooth = (f32(original_max_positions) / wavelen - f32(low_freq_factor)) / f32(high_freq_factor - low_freq_factor)
+    smoothed = (f32(1) - smooth) * scaled / f32(factor) + smooth * scaled
+    medium = ~(wavelen < f32(high_wavelen)) & ~(wavelen > f32(low_wavelen))
+    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 def apply_rope(x, positions=None, *, base: float = 10000.0, style: str = "rotate_half", angles=None) -> np.ndarray:

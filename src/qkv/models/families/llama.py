@@ -15,18 +15,38 @@ from ..engines.decoder import DecoderConfig, DecoderLayer, DecoderWeights
 from ..errors import ModelError
 from ..formats import metadata
 from ..formats.quants import permute_rows, stack
+from ...rope import llama3_frequencies, rope_frequencies
 from . import gguf_loader, hf_loader
 
 __all__ = ["config_from_hf", "weights_from_hf", "attention_from_hf", "config_from_gguf", "weights_from_gguf", "from_hf", "from_gguf"]
 
 
 
+def _rope_scaling_hf(get, head_dim: int, base: float) -> tuple | None:
+    """The RoPE frequencies a config's rope scaling gives (``rope_parameters``, or ``rope_scaling`` before
+    transformers 5), as transformers computes them; None for plain RoPE. "llama3" (Llama 3.1, 3.2,
+    3.3) and "linear" (positions ``factor`` times closer) are read; another kind is refused by name."""
+    for key in ("rope_parameters", "rope_scaling"):
+        p = get.object(key)
+        kind = p("rope_type", str, None) or p("type", str, "default")
+        if kind == "default":
+            continue
+        if kind == "linear":
+            return tuple(float(x) for x in rope_frequencies(head_dim, base) / np.float32(p("factor", float)))
+        if kind == "llama3":
+            try:
+                f = llama3_frequencies(head_dim, base, p("factor", float), p("low_freq_factor", float), p("high_freq_factor", float), p("original_max_position_embeddings", int))
+            except ValueError as exc:
+                raise ModelError(f"{p.source}: {exc}") from None
+            return tuple(float(x) for x in f)
+        raise ModelError(f"{p.source}: rope type {kind!r} is not supported (only 'default', 'linear' and 'llama3')")
+    return None
+
+
 def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
     family = c.get("model_type")
-    for params in (c.get("rope_parameters"), c.get("rope_scaling")):
-        if isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) not in ("default", None):
-            raise ModelError(f"{source}: rope type {params.get('rope_type', params.get('type'))!r} is not supported (only 'default')")
     m = metadata.from_hf(c, get)
+    freqs = _rope_scaling_hf(get, m.head_dim, m.rope_base)
     n = m.num_layers
     # Only Mistral, and Qwen with use_sliding_window, slide; layer_types then says which layers do.
     window = m.window if family == "mistral" or (family in ("qwen2", "qwen3") and c.get("use_sliding_window")) else None
@@ -47,6 +67,7 @@ def config_from_hf(c: dict, source: str, get) -> DecoderConfig:
         tie_embeddings=get("tie_word_embeddings", bool, False),
         # Qwen2: biases on q, k, v always, never on o. The others: attention_bias puts them on all four.
         attention_bias=family != "qwen2" and get("attention_bias", bool, False),
+        rope_frequencies=freqs,
     )
 
 
@@ -97,9 +118,21 @@ def config_from_gguf(g) -> DecoderConfig:
     n, D = m.num_layers, m.head_dim
     if g.integer("rope.dimension_count", D) != D:
         raise ModelError(f"{g.path}: {arch}.rope.dimension_count {num('rope.dimension_count')} (partial rotary) is not supported: qkv rotates whole heads of {D}")
+    freqs = None
     scaling = g.field(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in g.tensors:
-        raise ModelError(f"{g.path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs.weight'}) is not supported (only plain RoPE)")
+    if scaling == "linear":  # llama.cpp's freq_scale = 1 / factor: positions factor times closer
+        factor = g.positive("rope.scaling.factor")
+        freqs = rope_frequencies(D, m.rope_base) / np.float32(factor)
+    elif scaling != "none":
+        raise ModelError(f"{g.path}: RoPE scaling {scaling!r} is not supported (only plain RoPE, 'linear', and Llama 3's rope_freqs.weight)")
+    if "rope_freqs.weight" in g.tensors:
+        # Llama 3.1's scaling as llama.cpp runs it: each frequency divided by its factor in the file
+        if arch != "llama" or freqs is not None:
+            raise ModelError(f"{g.path}: rope_freqs.weight is supported for plain-RoPE llama files only ({arch}, scaling {scaling!r})")
+        factors = g.tensor("rope_freqs.weight", (D // 2,))
+        if not np.all(factors > 0):  # (finite: checked as every tensor is read)
+            raise ModelError(f"{g.path}: tensor 'rope_freqs.weight' should hold numbers > 0, got {float(factors.min())!r}")
+        freqs = rope_frequencies(D, m.rope_base) / factors
     if g.integer("expert_count", 0):
         raise ModelError(f"{g.path}: a mixture of experts ({arch}.expert_count) is not supported for {arch}")
     return DecoderConfig(
@@ -113,6 +146,7 @@ def config_from_gguf(g) -> DecoderConfig:
         query_scale=D**-0.5,
         qk_norm=arch == "qwen3",
         tie_embeddings="output.weight" not in g.tensors,
+        rope_frequencies=None if freqs is None else tuple(float(x) for x in freqs.astype(np.float32)),
     )
 
 

@@ -465,6 +465,28 @@ def test_whisper_prompt_is_forced_as_transformers_forces_it(rules, prompt, num_b
         assert got == want[: len(got)] and all(t == 0 for t in want[len(got) :]), (name, got, want)
 
 
+def test_a_whisper_generation_config_is_checked_at_load(torch, tmp_path):
+    """Each prompt rule a generation config gives is checked: a malformed one names the file and field
+    (a null past the language's position had been dropped from the prompt silently)."""
+    _, d = _tiny_whisper(torch, tmp_path)
+    gen = json.loads((d / "generation_config.json").read_text())
+    langs = {"lang_to_id": {"<|en|>": 10, "<|fr|>": 11}, "task_to_id": {"transcribe": 13, "translate": 14}, "no_timestamps_token_id": 15}
+    for fields, match in (
+        ({**langs, "forced_decoder_ids": [[1, 11], [2, None]]}, "forced_decoder_ids leaves position 2 open"),
+        ({"forced_decoder_ids": [[1, None], [2, 13]]}, "forced_decoder_ids leaves position 1 open .* lang_to_id listing the languages"),
+        ({**langs, "forced_decoder_ids": [[2, 11]]}, "forced_decoder_ids should force positions 1, 2, ... in turn"),
+        ({**langs, "forced_decoder_ids": [11, 13]}, r"forced_decoder_ids should be \[position, token id\] pairs"),
+        ({**langs, "language": "klingon"}, "language 'klingon' is not in lang_to_id"),
+        ({**langs, "task": "summarize"}, "task 'summarize' is not in task_to_id"),
+        ({**langs, "lang_to_id": {"<|en|>": 10**6}}, r"lang_to_id: field '<\|en\|>' should be a token id in \[0, "),
+        ({**langs, "no_timestamps_token_id": -1}, "field 'no_timestamps_token_id' should be a token id"),
+    ):
+        (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+        with pytest.raises(ModelError, match=match) as e:
+            load_seq2seq_lm(d)
+        assert str(e.value).startswith(str(d / "generation_config.json")), e.value
+
+
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_whisper_generate_equals_transformers(num_beams, torch, tmp_path):
     model, d = _tiny_whisper(torch, tmp_path)

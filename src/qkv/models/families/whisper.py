@@ -176,6 +176,9 @@ class WhisperLM(Seq2SeqLM):
             for i, (at, tok) in enumerate(pairs, start=1):
                 if at != i:
                     raise ModelError(f"{source}: forced_decoder_ids should force positions 1, 2, ... in turn, got {pairs!r}")
+                if tok is None and (i != 1 or not self.lang_ids):  # only a language is left open, to be detected from lang_to_id
+                    raise ModelError(f"{source}: forced_decoder_ids leaves position {i} open (null), which only the language (position 1) may be, "
+                                     "with lang_to_id listing the languages to detect")  # fmt: skip
                 forced.append(None if tok is None else FieldReader({"id": tok}, f"{source}: forced_decoder_ids").token_id("id", vocab_size))
         if language is not None:
             key = language if language in lang_to_id.config else f"<|{language.lower()}|>"

@@ -433,6 +433,7 @@ def test_whisper_generate_suppresses_what_generation_config_says_as_transformers
     ({}, [3, "L", 15]),  # nothing forced: the language detected, then <|notimestamps|>
     ({"language": "fr", "task": "translate"}, [3, 11, 14, 15]),
     ({"language": "<|de|>"}, [3, 12, 13, 15]),  # a task is then "transcribe"
+    ({"language": "French"}, [3, 11, 13, 15]),  # a name, as the fine-tuning guides set it (had been refused)
 ])  # fmt: skip
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_whisper_prompt_is_forced_as_transformers_forces_it(rules, prompt, num_beams, torch, tmp_path):
@@ -463,6 +464,16 @@ def test_whisper_prompt_is_forced_as_transformers_forces_it(rules, prompt, num_b
         got = lm.generate(feats, max_new_tokens=8, num_beams=num_beams).token_ids
         want = ref[0, len(start) :].tolist()
         assert got == want[: len(got)] and all(t == 0 for t in want[len(got) :]), (name, got, want)
+
+
+def test_whisper_language_names_are_transformers_names():
+    """A generation config's language may be a name ("hindi"), a code ("hi") or a token ("<|hi|>"), in any
+    case: the names and their codes are transformers' own table (TO_LANGUAGE_CODE)."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    from qkv.models.families.whisper import LANGUAGE_CODES
+
+    assert LANGUAGE_CODES == TO_LANGUAGE_CODE
 
 
 def test_a_whisper_generation_config_is_checked_at_load(torch, tmp_path):

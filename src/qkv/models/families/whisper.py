@@ -29,6 +29,28 @@ CHUNK_SECONDS = 30  #: the encoder hears 30 s at a time
 N_FFT, HOP = 400, 160  #: 25 ms windows every 10 ms
 FRAMES = CHUNK_SECONDS * SAMPLING_RATE // HOP  #: 3,000 spectrogram frames
 
+#: Whisper's languages by name, as a generation config may give them (``"language": "hindi"``, as the
+#: fine-tuning guides set it): the code of each, its token ``<|code|>``.
+LANGUAGE_CODES = dict(
+    pair.replace("_", " ").split(":")  # ("haitian_creole": a name of two words)
+    for pair in (
+        "english:en chinese:zh german:de spanish:es russian:ru korean:ko french:fr japanese:ja portuguese:pt turkish:tr "
+        "polish:pl catalan:ca dutch:nl arabic:ar swedish:sv italian:it indonesian:id hindi:hi finnish:fi vietnamese:vi "
+        "hebrew:he ukrainian:uk greek:el malay:ms czech:cs romanian:ro danish:da hungarian:hu tamil:ta norwegian:no "
+        "thai:th urdu:ur croatian:hr bulgarian:bg lithuanian:lt latin:la maori:mi malayalam:ml welsh:cy slovak:sk "
+        "telugu:te persian:fa latvian:lv bengali:bn serbian:sr azerbaijani:az slovenian:sl kannada:kn estonian:et "
+        "macedonian:mk breton:br basque:eu icelandic:is armenian:hy nepali:ne mongolian:mn bosnian:bs kazakh:kk "
+        "albanian:sq swahili:sw galician:gl marathi:mr punjabi:pa sinhala:si khmer:km shona:sn yoruba:yo somali:so "
+        "afrikaans:af occitan:oc georgian:ka belarusian:be tajik:tg sindhi:sd gujarati:gu amharic:am yiddish:yi lao:lo "
+        "uzbek:uz faroese:fo haitian_creole:ht pashto:ps turkmen:tk nynorsk:nn maltese:mt sanskrit:sa luxembourgish:lb "
+        "myanmar:my tibetan:bo tagalog:tl malagasy:mg assamese:as tatar:tt hawaiian:haw lingala:ln hausa:ha bashkir:ba "
+        "javanese:jw sundanese:su cantonese:yue "
+        # other names of the same languages
+        "burmese:my valencian:ca flemish:nl haitian:ht letzeburgesch:lb pushto:ps panjabi:pa moldavian:ro moldovan:ro "
+        "sinhalese:si castilian:es mandarin:zh"
+    ).split()
+)
+
 
 def _hz_to_mel(f):  # Slaney's scale: linear below 1 kHz, logarithmic above
     f = np.asarray(f, np.float64)
@@ -180,10 +202,12 @@ class WhisperLM(Seq2SeqLM):
                     raise ModelError(f"{source}: forced_decoder_ids leaves position {i} open (null), which only the language (position 1) may be, "
                                      "with lang_to_id listing the languages to detect")  # fmt: skip
                 forced.append(None if tok is None else FieldReader({"id": tok}, f"{source}: forced_decoder_ids").token_id("id", vocab_size))
-        if language is not None:
-            key = language if language in lang_to_id.config else f"<|{language.lower()}|>"
+        if language is not None:  # a token of lang_to_id, a code or a name, in any case, as transformers reads it
+            name = language.lower()
+            code = LANGUAGE_CODES.get(name, name if name in LANGUAGE_CODES.values() else None)
+            key = name if name in lang_to_id.config else None if code is None else f"<|{code}|>"
             if key not in lang_to_id.config:
-                raise ModelError(f"{source}: language {language!r} is not in lang_to_id")
+                raise ModelError(f"{source}: language {language!r} is not in lang_to_id" + ("" if code else " (nor a Whisper language's name or code)"))
             forced[:1] = [lang_to_id.token_id(key, vocab_size)]
         if task is not None:
             if task not in task_to_id.config:

@@ -248,6 +248,23 @@ def test_gguf_family_errors(torch, tmp_path, bpe):
         load_causal_lm(tmp_path / "bad.gguf")
 
 
+@pytest.mark.parametrize("value, shown", [(0.7, "0.699999988"), (float("nan"), "nan"), (-1.0, "-1.0")])
+def test_a_token_id_in_the_metadata_is_an_integer_never_a_float_truncated(value, shown, torch, tmp_path, bpe):
+    """tokenizer.ggml.bos_token_id stored as a float32: 0.7 had been read as token 0, silently, and NaN had
+    failed in int() with a message that named nothing."""
+    import struct
+
+    path = tmp_path / "ok.gguf"
+    gguf_writer.write(_model("llama", torch, len(bpe[0])), path, arch="llama", vocab=bpe)
+    raw = path.read_bytes()
+    key = b"tokenizer.ggml.bos_token_id"
+    i = raw.index(key) + len(key)
+    assert struct.unpack("<I", raw[i : i + 4])[0] == 4  # GGUF's UINT32, then the id
+    (tmp_path / "f.gguf").write_bytes(raw[:i] + struct.pack("<If", 6, value) + raw[i + 8 :])  # FLOAT32
+    with pytest.raises(ModelError, match=rf"f.gguf: tokenizer.ggml.bos_token_id should be a token id below {len(bpe[0])}, got {shown}"):
+        load_causal_lm(tmp_path / "f.gguf")
+
+
 def test_gguf_quantized_weights_are_views_of_the_mapped_file(torch, tmp_path, bpe):
     """Kept blocks are read where the file has them (no copy: resident memory is the page cache's), and
     the mapping outlives the loader's closing of the file for as long as the model holds a matrix."""

@@ -298,9 +298,17 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
         raise ModelError(f"{source}: tokenizer.ggml.token_type should list one type per token ({n})")
     types = types.astype(np.int64).tolist() if isinstance(types, np.ndarray) else [int(k) for k in types]
     gemma = gguf.architecture.startswith("gemma")
-    unk = gguf.field("tokenizer.ggml.unknown_token_id")
-    if unk is not None and not 0 <= int(unk) < n:
-        raise ModelError(f"{source}: tokenizer.ggml.unknown_token_id {int(unk)} is outside the vocabulary of {n}")
+
+    def ident(key):  # a token id the metadata names: an integer in [0, n), never a float truncated or a bool
+        v = gguf.field(key)
+        if v is None:
+            return None
+        try:
+            return check_id(v, n, key)
+        except (TypeError, ValueError):
+            raise ModelError(f"{source}: {key} should be a token id below {n}, got {v!r}") from None
+
+    unk = ident("tokenizer.ggml.unknown_token_id")
     scores = pre = None
     if model == "llama" and not gemma:
         scores = gguf.field("tokenizer.ggml.scores")
@@ -312,14 +320,6 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
         pre = str(gguf.field("tokenizer.ggml.pre", "default"))
         if pre not in BPE_SPLITS:
             raise ModelError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; qkv splits words as {', '.join(map(repr, BPE_SPLITS))}")
-
-    def ident(key):
-        v = gguf.field(key)
-        if v is None:
-            return None
-        if isinstance(v, (str, list)) or not 0 <= int(v) < n:
-            raise ModelError(f"{source}: {key} should be a token id below {n}, got {v!r}")
-        return int(v)
 
     key = _raw_key(gguf, model, gemma, pre, unk)
     if key is not None:  # keyed on the file's bytes: the strings are read, checked and built from only on a miss

@@ -265,6 +265,22 @@ def test_a_token_id_in_the_metadata_is_an_integer_never_a_float_truncated(value,
         load_causal_lm(tmp_path / "f.gguf")
 
 
+def test_a_flag_in_the_metadata_is_true_or_false(torch, tmp_path, bpe):
+    """tokenizer.ggml.add_bos_token stored as a UINT8: read by Python's truth before; llama.cpp refuses a
+    key of the wrong type, and so does qkv, naming it."""
+    import struct
+
+    path = tmp_path / "ok.gguf"
+    gguf_writer.write(_model("llama", torch, len(bpe[0])), path, arch="llama", vocab=bpe)
+    raw = path.read_bytes()
+    key = b"tokenizer.ggml.add_bos_token"
+    i = raw.index(key) + len(key)
+    assert struct.unpack("<IB", raw[i : i + 5]) == (7, 0)  # GGUF's BOOL, false (as converters write it for BPE)
+    (tmp_path / "f.gguf").write_bytes(raw[:i] + struct.pack("<IB", 0, 2) + raw[i + 5 :])  # UINT8 2
+    with pytest.raises(ModelError, match="f.gguf: tokenizer.ggml.add_bos_token should be true or false, got 2"):
+        load_causal_lm(tmp_path / "f.gguf")
+
+
 def test_gguf_quantized_weights_are_views_of_the_mapped_file(torch, tmp_path, bpe):
     """Kept blocks are read where the file has them (no copy: resident memory is the page cache's), and
     the mapping outlives the loader's closing of the file for as long as the model holds a matrix."""

@@ -338,12 +338,21 @@ def from_gguf(gguf, *, source: str) -> TextTokenizer:
         eos_id=eos,
         pad_id=ident("tokenizer.ggml.padding_token_id"),
         # without the key, llama.cpp's defaults: BOS for SentencePiece, and for BPE split as Llama 3 splits
-        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", model == "llama" or pre in ("llama-bpe", "llama3"))),
+        add_bos=_flag(gguf, "tokenizer.ggml.add_bos_token", model == "llama" or pre in ("llama-bpe", "llama3"), source),
         eos_ids=[e for e in dict.fromkeys(ends) if e is not None],
     )
 
 
 _RAW_FORMAT = b"qkv-gguf-tokenizer-raw-4"  # as _CACHE_FORMAT
+
+
+def _flag(gguf, key: str, default: bool, source: str) -> bool:
+    """A true-or-false field of the metadata (GGUF's BOOL, as llama.cpp reads it): a string "false" or a
+    number is an error, never read by Python's truth (``bool("false")`` is True)."""
+    v = gguf.field(key, default)
+    if not isinstance(v, (bool, np.bool_)):
+        raise ModelError(f"{source}: {key} should be true or false, got {v!r}")
+    return bool(v)
 
 
 def _raw_key(gguf, model: str, gemma: bool, pre, unk) -> str | None:

@@ -265,6 +265,22 @@ def test_a_token_id_in_the_metadata_is_an_integer_never_a_float_truncated(value,
         load_causal_lm(tmp_path / "f.gguf")
 
 
+@pytest.mark.parametrize("key, match", [("llama.rope.dimension_count", r"the head size \('llama.attention.key_length', else 'llama.rope.dimension_count'\) should be >= 1, got 0"),
+                                        ("llama.attention.head_count", "metadata 'llama.attention.head_count' should be >= 1, got 0")])  # fmt: skip
+def test_a_head_count_or_size_of_zero_is_named(key, match, torch, tmp_path, bpe):
+    """A head size of 0 had failed in ``0 ** -0.5`` (a ZeroDivisionError) before the config's checks."""
+    import struct
+
+    path = tmp_path / "ok.gguf"
+    gguf_writer.write(_model("llama", torch, len(bpe[0])), path, arch="llama", vocab=bpe)
+    raw = path.read_bytes()
+    i = raw.index(key.encode()) + len(key)
+    assert struct.unpack("<I", raw[i : i + 4])[0] == 4  # UINT32
+    (tmp_path / "z.gguf").write_bytes(raw[:i + 4] + struct.pack("<I", 0) + raw[i + 8 :])
+    with pytest.raises(ModelError, match=match):
+        load_causal_lm(tmp_path / "z.gguf")
+
+
 def test_a_flag_in_the_metadata_is_true_or_false(torch, tmp_path, bpe):
     """tokenizer.ggml.add_bos_token stored as a UINT8: read by Python's truth before; llama.cpp refuses a
     key of the wrong type, and so does qkv, naming it."""

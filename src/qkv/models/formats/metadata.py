@@ -83,6 +83,10 @@ def from_gguf(g, *, norm_eps: float, rope_base: float, kv_heads: int | None = No
     n = g.integer("block_count", at_most=len(g.tensors), what=" (the file has that many tensors)")
     H = g.integer("attention.head_count")
     D = g.integer("attention.key_length", g.integer("rope.dimension_count", E // max(H, 1)))
+    if H < 1 or D < 1:  # (a head size of 0 had failed in 0 ** -0.5 before the config's own checks)
+        a = g.architecture
+        what = f"metadata '{a}.attention.head_count'" if H < 1 else f"the head size ('{a}.attention.key_length', else '{a}.rope.dimension_count')"
+        raise ModelError(f"{g.path}: {what} should be >= 1, got 0")
     if g.integer("attention.value_length", D) != D:
         raise ModelError(f"{g.path}: {g.architecture}.attention.value_length should equal the key length {D}")
     return LlamaLike(

@@ -774,6 +774,22 @@ def test_an_encoder_decoder_config_checks_its_token_ids(torch, tmp_path):
             load_seq2seq_lm(d)
 
 
+def test_a_missing_token_id_whose_default_is_not_in_the_vocabulary_is_named(torch, tmp_path):
+    """A Whisper config.json without decoder_start_token_id: Whisper's default, 50258, is not an id of a
+    64-token vocabulary; the error had come at generate, blaming decoder_input_ids."""
+    import json
+
+    from test_seq2seq import _tiny_whisper
+
+    from qkv.models import load_seq2seq_lm
+
+    d = _tiny_whisper(torch, tmp_path)[1]
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({k: v for k, v in c.items() if k != "decoder_start_token_id"}))
+    with pytest.raises(ModelError, match=rf"^{d / 'config.json'}: field 'decoder_start_token_id' is missing, and its default, 50258, is not a token id in \[0, 64\)"):
+        load_seq2seq_lm(d)
+
+
 def test_a_tokenizer_that_panics_is_a_value_error_not_a_base_exception(hf_dirs, tmp_path):
     """A tokenizer.json whose split pattern backtracks past Oniguruma's limit makes the Rust library panic:
     pyo3's PanicException is a BaseException, which ``except Exception`` (a server's stepping thread) lets pass."""

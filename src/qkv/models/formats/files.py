@@ -153,6 +153,10 @@ class FieldReader:
         """
         v = self.config.get(key)
         if v is None:
+            # a family's own default (Whisper's 50258) is an id of that family's vocabulary, not of every file's
+            for i in default if isinstance(default, tuple) else [] if default is None else [default]:
+                if not 0 <= i < vocab_size:
+                    raise ModelError(f"{self.source}: field {key!r} is missing, and its default, {i}, is not a token id in [0, {vocab_size})")
             return default
         ids = v if many and isinstance(v, list) else [v]
         if (many and not ids) or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size for i in ids):

@@ -232,6 +232,43 @@ def test_bart_and_marian_generate_equal_transformers(family, num_beams, torch, t
     assert varied >= 3 or family == "marian"
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_generation_config_ids_bad_words_and_renormalizing_as_transformers_takes_them(num_beams, torch, tmp_path):
+    """transformers' generate takes its ids from generation_config.json where it gives them, never writes a
+    bad word (Marian's generation config bans its padding token), and with renormalize_logits takes the
+    log-softmax again after that, which moves beam scores: a BART whose generation config bans its two
+    likeliest tokens, and ends at another id than config.json says (one of them here: EOS is never banned)."""
+    import json
+
+    model, d = _tiny_bart("bart", torch, tmp_path)
+    rng = np.random.default_rng(1)
+    sources = [[0] + rng.integers(3, V, size=int(rng.integers(4, 14))).tolist() + [2] for _ in range(8)]
+    plain = load_seq2seq_lm(d)
+    counts = np.bincount(np.concatenate([plain.generate(src, max_new_tokens=10, num_beams=num_beams).token_ids for src in sources]), minlength=V)
+    banned = [int(t) for t in np.argsort(-counts)[:2] if t != 2]
+    fields = {"bad_words_ids": [[t] for t in banned], "renormalize_logits": True, "eos_token_id": 5, "forced_eos_token_id": 5}
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+    for key, value in fields.items():
+        setattr(model.generation_config, key, value)
+    lm = load_seq2seq_lm(d)
+    changed = 0
+    for src in sources:
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([src]), max_new_tokens=10, num_beams=num_beams, do_sample=False)[0, 1:].tolist()
+        got = lm.generate(src, max_new_tokens=10, num_beams=num_beams).token_ids
+        assert got == ref[: len(got)] and all(t == 1 for t in ref[len(got) :]), (src, got, ref)
+        assert not set(got) & (set(banned) - {5}) and got[-1] == 5  # (EOS is never a bad word; forced at the last step, or ended there)
+        changed += got != plain.generate(src, max_new_tokens=10, num_beams=num_beams).token_ids
+    assert changed >= 4
+    for bad, match in (({"bad_words_ids": [[7, 8]]}, "bad_words_ids of more than one token are not supported"), ({"bad_words_ids": [7]}, "should be a list of token id lists"),
+                       ({"bad_words_ids": [[10**6]]}, r"field 'bad_words_ids' should be a token id or a list of them in \[0, 64\)"),
+                       ({"eos_token_id": [2, 5]}, "field 'eos_token_id' lists 2 ids; an encoder-decoder here ends at one"), ({"renormalize_logits": "yes"}, "field 'renormalize_logits' should be true or false")):  # fmt: skip
+        (d / "generation_config.json").write_text(json.dumps({**gen, **bad}))
+        with pytest.raises(ModelError, match=match):
+            load_seq2seq_lm(d)
+
+
 def test_a_source_longer_than_the_model_allows(torch, tmp_path):
     _, d = _tiny_bart("bart", torch, tmp_path)
     lm = load_seq2seq_lm(d)

@@ -176,6 +176,34 @@ def _load_hf(path: Path) -> CausalLM:
     return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat, instruction_tuned=tuned, no_chat_template=why)
 
 
+def _seq2seq_generation(gen: FieldReader, cfg) -> dict:
+    """What transformers' ``generate`` takes from an encoder-decoder's generation config, as fields of its
+    Seq2SeqConfig: the start, end and forced-end ids where it gives them (they replace config.json's),
+    the tokens never generated (``suppress_tokens``, and ``bad_words_ids`` of one token each: Marian's
+    padding token) or never first, and ``renormalize_logits``."""
+    V = cfg.vocab_size
+    out = {key: () if gen.config.get(key) in (None, []) else gen.token_id(key, V, many=True) for key in ("suppress_tokens", "begin_suppress_tokens")}
+    for key in ("decoder_start_token_id", "forced_eos_token_id"):
+        if gen.config.get(key) is not None:
+            out[key] = gen.token_id(key, V)
+    if gen.config.get("eos_token_id") is not None:
+        eos = gen.token_id("eos_token_id", V, many=True)
+        if len(set(eos)) > 1:
+            raise ModelError(f"{gen.source}: field 'eos_token_id' lists {len(eos)} ids; an encoder-decoder here ends at one")
+        out["eos_token_id"] = eos[0]
+    bad = gen.config.get("bad_words_ids")
+    if bad is not None:
+        if not isinstance(bad, list) or any(not isinstance(w, list) or not w for w in bad):
+            raise ModelError(f"{gen.source}: field 'bad_words_ids' should be a list of token id lists, got {bad!r:.100}")
+        if any(len(w) > 1 for w in bad):
+            raise ModelError(f"{gen.source}: bad_words_ids of more than one token are not supported (only single tokens, never generated), got {bad!r:.100}")
+        ids = FieldReader({"bad_words_ids": [w[0] for w in bad]}, gen.source).token_id("bad_words_ids", V, many=True)
+        eos = out.get("eos_token_id", cfg.eos_token_id)
+        out["suppress_tokens"] = tuple(dict.fromkeys(out["suppress_tokens"] + tuple(i for i in ids if i != eos)))  # (EOS is never a bad word, as in transformers)
+    out["renormalize_logits"] = gen("renormalize_logits", bool, False)
+    return out
+
+
 def _generation_config(path: Path, c: dict) -> FieldReader:
     """A reader of the fields transformers' ``generate`` takes: ``generation_config.json`` where the
     directory has one (transformers then reads no generation field of ``config.json``), else
@@ -256,7 +284,7 @@ def load_seq2seq_lm(path) -> Seq2SeqLM:
     with _naming(cfg_file):
         cfg, w = families.load_module(family).from_hf(c, str(cfg_file), get, t)
     gen = _generation_config(path, c)
-    cfg = dataclasses.replace(cfg, **{key: () if gen.config.get(key) in (None, []) else gen.token_id(key, cfg.vocab_size, many=True) for key in ("suppress_tokens", "begin_suppress_tokens")})
+    cfg = dataclasses.replace(cfg, **_seq2seq_generation(gen, cfg))
     embed = w.embed
     for name in ("model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight", "proj_out.weight", "lm_head.weight"):
         if name in t and name not in t.used and not np.array_equal(t.weights[name], embed):

@@ -62,7 +62,9 @@ class Seq2SeqConfig(ModelConfig):
     E^-1/2). ``pre_norm``: each block is ``x + f(norm(x))`` (T5); False: ``norm(x + f(x))`` (BART,
     Marian). ``embed_norm``: a norm of the embeddings (BART). ``forced_eos_token_id``: the last token
     generation may write is this one (BART: EOS). ``suppress_tokens`` are never generated, and
-    ``begin_suppress_tokens`` never first (Whisper's generation config lists both).
+    ``begin_suppress_tokens`` never first (Whisper's generation config lists both; Marian's bad word, its
+    padding token, is one too). ``renormalize_logits``: beam search takes the log-softmax again after
+    those (Marian's generation config asks for it).
     """
 
     ffn_size: int
@@ -83,6 +85,7 @@ class Seq2SeqConfig(ModelConfig):
     forced_eos_token_id: int | None = None
     suppress_tokens: tuple = ()
     begin_suppress_tokens: tuple = ()
+    renormalize_logits: bool = False
 
     SIZES = ModelConfig.SIZES + ("ffn_size", "encoder_layers", "decoder_layers")
 
@@ -501,6 +504,9 @@ class Seq2SeqLM:
             if forced is not None and step == max_new_tokens - 1:
                 logp[:] = -np.inf  # BART: the last token the length allows is EOS
                 logp[:, forced] = 0
+            if self.config.renormalize_logits:  # transformers' LogitNormalization, after every other processor
+                top_logp = logp.max(-1, keepdims=True)
+                logp = logp - (top_logp + np.log(np.exp(logp - top_logp).sum(-1, keepdims=True)))
             total = (logp + run_scores[:, None]).ravel()  # (k V,)
             top = np.argsort(-total, kind="stable")[:keep]  # best first
             beam, tok, sc = top // logits.shape[1], top % logits.shape[1], total[top]

@@ -2,6 +2,7 @@
 from a config, saved as a directory, loaded by qkv: encoder output, logits, cross-attention weights,
 greedy and beam search outputs."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -267,6 +268,41 @@ def test_generation_config_ids_bad_words_and_renormalizing_as_transformers_takes
         (d / "generation_config.json").write_text(json.dumps({**gen, **bad}))
         with pytest.raises(ModelError, match=match):
             load_seq2seq_lm(d)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_forced_bos_min_length_and_no_repeat_ngram_as_transformers_applies_them(num_beams, torch, tmp_path):
+    """BART-large-CNN's config forces BOS first, bans EOS before a minimum length and bans a repeated
+    3-gram; transformers' generate applies all three: the same tokens (had been ignored)."""
+    import json
+
+    model, d = _tiny_bart("bart", torch, tmp_path)
+    rng = np.random.default_rng(2)
+    sources = [[0] + rng.integers(3, V, size=int(rng.integers(4, 14))).tolist() + [2] for _ in range(8)]
+    before = load_seq2seq_lm(d)
+    common = np.bincount(np.concatenate([before.generate(src, max_new_tokens=12).token_ids for src in sources]), minlength=V)
+    common[:3] = 0
+    # EOS made a token the model writes often, so that the minimum length has EOS to hold back
+    fields = {"forced_bos_token_id": 0, "min_length": 9, "no_repeat_ngram_size": 2, "eos_token_id": int(common.argmax())}
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+    for key, value in fields.items():
+        setattr(model.generation_config, key, value)
+    lm = load_seq2seq_lm(d)
+    without = {rule: load_seq2seq_lm(d) for rule in ("forced_bos_token_id", "min_length", "no_repeat_ngram_size")}
+    for rule, other in without.items():  # each rule left out in turn: each one changes some outputs
+        other.config = dataclasses.replace(other.config, **{rule: None if rule == "forced_bos_token_id" else 0})
+    changed = dict.fromkeys(without, 0)
+    for src in sources:
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([src]), max_new_tokens=12, num_beams=num_beams, do_sample=False)[0, 1:].tolist()
+        got = lm.generate(src, max_new_tokens=12, num_beams=num_beams).token_ids
+        assert got == ref[: len(got)] and all(t == 1 for t in ref[len(got) :]), (src, got, ref)
+        pairs = list(zip(got, got[1:]))
+        assert got[0] == 0 and len(pairs) == len(set(pairs)) and len(got) >= 8  # BOS first, no pair twice, EOS not before 9 tokens (start included)
+        for rule, other in without.items():
+            changed[rule] += got != other.generate(src, max_new_tokens=12, num_beams=num_beams).token_ids
+    assert min(changed.values()) >= 1, changed
 
 
 def test_a_source_longer_than_the_model_allows(torch, tmp_path):

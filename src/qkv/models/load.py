@@ -178,14 +178,18 @@ def _load_hf(path: Path) -> CausalLM:
 
 def _seq2seq_generation(gen: FieldReader, cfg) -> dict:
     """What transformers' ``generate`` takes from an encoder-decoder's generation config, as fields of its
-    Seq2SeqConfig: the start, end and forced-end ids where it gives them (they replace config.json's),
-    the tokens never generated (``suppress_tokens``, and ``bad_words_ids`` of one token each: Marian's
-    padding token) or never first, and ``renormalize_logits``."""
+    Seq2SeqConfig: the start, end, forced-end and forced-first ids where it gives them (they replace
+    config.json's), the tokens never generated (``suppress_tokens``, and ``bad_words_ids`` of one token
+    each: Marian's padding token) or never first, the minimum lengths, ``no_repeat_ngram_size`` and
+    ``renormalize_logits``. The search's own settings (beams, length penalty, early stopping, maximum
+    length) stay the caller's."""
     V = cfg.vocab_size
     out = {key: () if gen.config.get(key) in (None, []) else gen.token_id(key, V, many=True) for key in ("suppress_tokens", "begin_suppress_tokens")}
-    for key in ("decoder_start_token_id", "forced_eos_token_id"):
+    for key in ("decoder_start_token_id", "forced_eos_token_id", "forced_bos_token_id"):
         if gen.config.get(key) is not None:
             out[key] = gen.token_id(key, V)
+    for key in ("min_length", "min_new_tokens", "no_repeat_ngram_size"):  # 0 (or none): no rule
+        out[key] = 0 if gen.config.get(key) in (None, 0) else gen(key, int)
     if gen.config.get("eos_token_id") is not None:
         eos = gen.token_id("eos_token_id", V, many=True)
         if len(set(eos)) > 1:

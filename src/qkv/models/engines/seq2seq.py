@@ -64,7 +64,10 @@ class Seq2SeqConfig(ModelConfig):
     generation may write is this one (BART: EOS). ``suppress_tokens`` are never generated, and
     ``begin_suppress_tokens`` never first (Whisper's generation config lists both; Marian's bad word, its
     padding token, is one too). ``renormalize_logits``: beam search takes the log-softmax again after
-    those (Marian's generation config asks for it).
+    those (Marian's generation config asks for it). As transformers' generate applies them (BART-large-CNN's
+    config sets all three): ``forced_bos_token_id`` is the first token after a one-token prompt;
+    EOS is never written before the sequence (prompt included) holds ``min_length`` tokens or
+    ``min_new_tokens`` new ones; and no ``no_repeat_ngram_size`` tokens in a row are written twice.
     """
 
     ffn_size: int
@@ -86,6 +89,10 @@ class Seq2SeqConfig(ModelConfig):
     suppress_tokens: tuple = ()
     begin_suppress_tokens: tuple = ()
     renormalize_logits: bool = False
+    forced_bos_token_id: int | None = None
+    min_length: int = 0
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
 
     SIZES = ModelConfig.SIZES + ("ffn_size", "encoder_layers", "decoder_layers")
 
@@ -443,10 +450,7 @@ class Seq2SeqLM:
             cache = self.new_cache(hidden)
             feed, new, reason = [prompt], [], "length"
             while len(new) < max_new_tokens:
-                tok = int(self._suppress(self.decode(feed, cache)[:, -1], len(new))[0].argmax())
-                forced = self.config.forced_eos_token_id
-                if forced is not None and len(new) == max_new_tokens - 1:
-                    tok = forced  # BART: the last token the length allows is EOS
+                tok = int(self._constrain(self.decode(feed, cache)[:, -1], prompt, [new], max_new_tokens)[0].argmax())
                 new.append(tok)
                 feed = [[tok]]
                 if tok == eos:
@@ -467,13 +471,32 @@ class Seq2SeqLM:
         """The tokens the decoder starts from: the start token (Whisper adds what its generation config forces)."""
         return [self.config.decoder_start_token_id]
 
-    def _suppress(self, scores: np.ndarray, step: int) -> np.ndarray:  # (k, V) scores of new token ``step`` (from 0)
-        """The scores with the tokens the config suppresses at this step set to -inf (a copy where any is)."""
-        ids = list(self.config.suppress_tokens) + (list(self.config.begin_suppress_tokens) if step == 0 else [])
-        if not ids:
-            return scores
+    def _constrain(self, scores: np.ndarray, prompt: list, news: list, max_new_tokens: int) -> np.ndarray:  # (k, V) -> (k, V)
+        """The next token's scores of each row (``news``: its new tokens so far, after ``prompt``) with what
+        the generation config rules out set to -inf, or what it forces made the only choice; a copy.
+
+        As transformers' logits processors rule, in their order: no repeated n-gram, suppressed tokens
+        (and bad words), suppressed at the first step, no EOS before the minimum length, BOS forced after
+        a one-token prompt, EOS forced as the last token the length allows (BART)."""
+        c, step = self.config, len(news[0])
         scores = np.array(scores, copy=True)
-        scores[:, ids] = -np.inf
+        n = c.no_repeat_ngram_size
+        if n:
+            for row, new in enumerate(news):
+                seq = list(prompt) + list(new)
+                if len(seq) + 1 >= n:  # the n-grams written so far whose first n - 1 tokens end the row now
+                    tail = tuple(seq[len(seq) - n + 1 :])
+                    banned = [seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i : i + n - 1]) == tail]
+                    scores[row, banned] = -np.inf
+        ids = list(c.suppress_tokens) + (list(c.begin_suppress_tokens) if step == 0 else [])
+        if ids:
+            scores[:, ids] = -np.inf
+        if c.eos_token_id is not None and (len(prompt) + step < c.min_length or step < c.min_new_tokens):
+            scores[:, c.eos_token_id] = -np.inf
+        for forced, now in ((c.forced_bos_token_id, len(prompt) + step == 1), (c.forced_eos_token_id, step == max_new_tokens - 1)):
+            if forced is not None and now:
+                scores[:] = -np.inf
+                scores[:, forced] = 0
         return scores
 
     def _source(self, source) -> np.ndarray:  # -> (1, S) token ids
@@ -499,11 +522,7 @@ class Seq2SeqLM:
             logits = self.decode(feed, cache)[:, -1].astype(np.float32)  # (k, V)
             logp = logits - logits.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))  # log-softmax
-            logp = self._suppress(logp, step)  # after the softmax, as transformers' beam search applies it: not renormalised
-            forced = self.config.forced_eos_token_id
-            if forced is not None and step == max_new_tokens - 1:
-                logp[:] = -np.inf  # BART: the last token the length allows is EOS
-                logp[:, forced] = 0
+            logp = self._constrain(logp, prompt, running, max_new_tokens)  # after the softmax, as transformers' beam search applies them
             if self.config.renormalize_logits:  # transformers' LogitNormalization, after every other processor
                 top_logp = logp.max(-1, keepdims=True)
                 logp = logp - (top_logp + np.log(np.exp(logp - top_logp).sum(-1, keepdims=True)))

@@ -34,6 +34,7 @@ import numpy as np
 
 from ...attention import scaled_dot_product_attention
 from ...cache import KVCache
+from ...softmax import logsumexp
 from .decoder import check_token_ids
 from ..errors import ModelError
 from ..formats.tokenizer import tokenizer_call
@@ -475,9 +476,10 @@ class Seq2SeqLM:
         """The next token's scores of each row (``news``: its new tokens so far, after ``prompt``) with what
         the generation config rules out set to -inf, or what it forces made the only choice; a copy.
 
-        As transformers' logits processors rule, in their order: no repeated n-gram, suppressed tokens
-        (and bad words), suppressed at the first step, no EOS before the minimum length, BOS forced after
-        a one-token prompt, EOS forced as the last token the length allows (BART)."""
+        The rules transformers' logits processors apply: no repeated n-gram, suppressed tokens (and bad
+        words), suppressed at the first step, no EOS before the minimum length, BOS forced after a
+        one-token prompt, EOS forced as the last token the length allows (BART). (Their order matters
+        only where two rules meet on one token: a forced token here wins over a suppressed one.)"""
         c, step = self.config, len(news[0])
         scores = np.array(scores, copy=True)
         n = c.no_repeat_ngram_size
@@ -524,8 +526,7 @@ class Seq2SeqLM:
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))  # log-softmax
             logp = self._constrain(logp, prompt, running, max_new_tokens)  # after the softmax, as transformers' beam search applies them
             if self.config.renormalize_logits:  # transformers' LogitNormalization, after every other processor
-                top_logp = logp.max(-1, keepdims=True)
-                logp = logp - (top_logp + np.log(np.exp(logp - top_logp).sum(-1, keepdims=True)))
+                logp = logp - logsumexp(logp, keepdims=True)
             total = (logp + run_scores[:, None]).ravel()  # (k V,)
             top = np.argsort(-total, kind="stable")[:keep]  # best first
             beam, tok, sc = top // logits.shape[1], top % logits.shape[1], total[top]

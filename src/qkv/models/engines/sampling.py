@@ -92,18 +92,49 @@ def token_probabilities(logits: np.ndarray, *, temperature: float = 1.0, top_k: 
         kth = np.partition(x, -top_k)[-top_k]
         keep &= x >= kth  # (ties with the k-th stay, as transformers' TopKLogitsWarper keeps them)
     if top_p is not None and top_p < 1:
-        # The least likely tokens go while their mass stays within 1 - top_p, summed from the least likely
-        # up as transformers' TopPLogitsWarper sums. Of tokens tied at the cut the lower ids stay, as greedy
-        # picks the lowest (transformers leaves it to torch's unstable sort).
-        p = softmax(x, where=keep)
-        order = np.lexsort((-np.arange(p.size), p))  # least likely first; of equals, the higher id first
-        drop = np.cumsum(p[order]) <= 1 - top_p
-        drop[-1] = False  # the most likely always stays
-        keep[order[drop]] = False
+        keep &= _nucleus(softmax(x, where=keep), top_p)
     if min_p is not None:
         p = softmax(x, where=keep)
         keep &= p >= min_p * p.max()  # the most likely token always stays
     return softmax(x, where=keep)
+
+
+def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:  # (V,) probabilities -> (V,) bool
+    """The tokens top-p keeps: each whose more likely tokens hold less than ``top_p`` of the mass (as
+    transformers' TopPLogitsWarper drops those whose less likely tokens, themselves included, hold at
+    most ``1 - top_p``). Of tokens tied at the cut the lower ids stay, as greedy picks the lowest
+    (transformers leaves it to torch's unstable sort).
+
+    The nucleus is looked for among the most likely few hundred tokens first: sorting all of Gemma's
+    262,144 for every sampled token had taken 35 ms, more than the token's decode step. Where they do
+    not reach ``top_p`` the search widens, up to the whole vocabulary."""
+    live = np.flatnonzero(p) if np.count_nonzero(p) < p.size else np.arange(p.size)  # (top-k's leavings have 0)
+    q, n = p[live], live.size
+    m = min(n, 1024)
+    while True:
+        # the candidates: every token at least as likely as the m-th most likely (ties at it included), so
+        # that every other token is less likely than every candidate and comes after them all
+        cand = live[q >= np.partition(q, n - m)[n - m]] if m < n else live
+        order = cand[np.lexsort((cand, -p[cand]))]  # most likely first; of equals, the lower id first
+        mass = p[order]
+        inside = np.cumsum(mass) - mass < top_p  # the mass before each token, the most likely's 0
+        if not inside.all() or m == n:  # the cut falls among the candidates (or there is no other)
+            break
+        m = min(n, 8 * m)
+    keep = np.zeros(p.shape, bool)
+    keep[order[inside]] = True
+    return keep
+
+
+def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """``rng.choice(p.size, p=p)``, the same draw from the same generator (one uniform number against the
+    normalised cumulative sum, as NumPy's choice draws), without its checks of ``p`` and over the tokens
+    that can be drawn only (a token of probability 0 adds nothing to the sums)."""
+    ids = np.flatnonzero(p) if np.count_nonzero(p) < p.size else None
+    cdf = np.cumsum(p if ids is None else p[ids])
+    cdf /= cdf[-1]
+    i = int(cdf.searchsorted(rng.random(), side="right"))
+    return i if ids is None else int(ids[i])
 
 
 def next_token(logits: np.ndarray, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None, rng: np.random.Generator | None = None) -> int:
@@ -122,5 +153,4 @@ def next_token(logits: np.ndarray, *, temperature: float = 0.0, top_k: int | Non
     """
     if temperature == 0:
         return int(np.argmax(logits))
-    p = token_probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    return int(rng.choice(p.size, p=p))
+    return _draw(token_probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p), rng)

@@ -146,7 +146,7 @@ def test_beam_search_finishing_at_eos_equals_generate(kind, torch, tmp_path):
     reasons, lengths = set(), set()
     for _ in range(8):
         src = rng.integers(2, V, size=int(rng.integers(4, 14))).tolist() + [1]
-        for length_penalty, early_stopping in ((1.0, False), (0.5, True), (2.0, False)):
+        for length_penalty, early_stopping in ((1.0, False), (0.5, True), (2.0, False), (2.0, "never"), (-1.0, "never")):
             out = lm.generate(src, max_new_tokens=12, num_beams=4, length_penalty=length_penalty, early_stopping=early_stopping)
             with torch.no_grad():
                 ref = model.generate(torch.tensor([src]), max_new_tokens=12, num_beams=4, length_penalty=length_penalty, early_stopping=early_stopping, do_sample=False)[0, 1:].tolist()
@@ -305,6 +305,78 @@ def test_forced_bos_min_length_and_no_repeat_ngram_as_transformers_applies_them(
     assert min(changed.values()) >= 1, changed
 
 
+SEARCH_RULES = [
+    {"num_beams": 3, "length_penalty": 2.0, "early_stopping": "never", "max_length": 12},
+    {"num_beams": 3, "length_penalty": -0.5, "early_stopping": True, "max_new_tokens": 9, "repetition_penalty": 1.6},
+    {"max_length": 11, "repetition_penalty": 0.7, "encoder_repetition_penalty": 1.5, "encoder_no_repeat_ngram_size": 2},
+    {"num_beams": 2, "encoder_no_repeat_ngram_size": 1, "repetition_penalty": 2.0, "max_new_tokens": 10},
+]
+
+
+def test_search_settings_and_penalties_follow_the_generation_config(torch, tmp_path):
+    """A checkpoint's generation config sets the search (opus-mt: 4 or 6 beams and a length; BART-large-CNN:
+    4 beams, a length penalty of 2, early stopping) and may set penalties; transformers' generate called
+    with no options takes them all, and so does qkv's (they had been the caller's, and the penalties
+    ignored). Each field, reset alone to its default, changes some outputs."""
+    import json
+
+    model, d = _tiny_bart("bart", torch, tmp_path)
+    rng = np.random.default_rng(3)
+    sources = [[0] + rng.integers(3, V, size=int(rng.integers(4, 14))).tolist() + [2] for _ in range(8)]
+    plain = load_seq2seq_lm(d)
+    common = np.bincount(np.concatenate([plain.generate(src, max_new_tokens=12).token_ids for src in sources]), minlength=V)
+    common[:3] = 0
+    eos = int(common.argmax())  # a token the model writes often ends the text: hypotheses end at many lengths, where the length rules matter
+    gen = json.loads((d / "generation_config.json").read_text())
+    defaults = {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False, "max_length": None, "max_new_tokens": None, "repetition_penalty": 1.0,
+                "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0}  # fmt: skip
+    changed = dict.fromkeys(defaults, 0)
+    for fields in SEARCH_RULES:
+        fields = {**fields, "eos_token_id": eos, "forced_eos_token_id": eos}
+        (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+        model.generation_config = type(model.generation_config).from_pretrained(d)
+        lm = load_seq2seq_lm(d)
+        without = {key: load_seq2seq_lm(d) for key in fields if key in defaults}
+        for key, other in without.items():
+            other.config = dataclasses.replace(other.config, **{key: defaults[key]})
+        for src in sources:
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([src]))[0, 1:].tolist()  # no options: its generation config's
+            got = lm.generate(src).token_ids
+            assert got == ref[: len(got)] and all(t == 1 for t in ref[len(got) :]), (fields, src, got, ref)
+            for key, other in without.items():
+                changed[key] += got != other.generate(src).token_ids
+    assert min(changed.values()) >= 1, changed
+    # The caller's options still win over the config's
+    src = [0, 5, 9, 14, 2]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([src]), num_beams=1, max_new_tokens=5, length_penalty=1.0, early_stopping=False)[0, 1:].tolist()
+    got = lm.generate(src, 5, num_beams=1, length_penalty=1.0, early_stopping=False).token_ids
+    assert got == ref[: len(got)] and len(got) <= 5
+
+
+def test_generation_config_search_settings_are_checked_at_load(torch, tmp_path):
+    import json
+
+    _, d = _tiny_bart("bart", torch, tmp_path)
+    gen = json.loads((d / "generation_config.json").read_text())
+    for bad, match in (({"num_beams": 0}, "field 'num_beams' should be >= 1"), ({"num_beams": 10**9}, "field 'num_beams' should be at most 256"),
+                       ({"num_beams": 2.5}, "field 'num_beams' should be an integer"), ({"length_penalty": "long"}, "field 'length_penalty'"),
+                       ({"length_penalty": 1e9}, r"field 'length_penalty' should be a number in \[-10, 10\]"), ({"early_stopping": "sometimes"}, "field 'early_stopping' should be True, False or 'never'"),
+                       ({"max_length": 0}, "field 'max_length' should be a positive integer"), ({"max_new_tokens": -3}, "field 'max_new_tokens' should be a positive integer"),
+                       ({"repetition_penalty": 0}, r"field 'repetition_penalty' should be a number in \[1e-6, 1e6\]"), ({"encoder_repetition_penalty": True}, "field 'encoder_repetition_penalty'"),
+                       ({"encoder_no_repeat_ngram_size": -1}, "field 'encoder_no_repeat_ngram_size' should be a positive integer"),
+                       ({"sequence_bias": [[[5], 3.0]]}, "field 'sequence_bias' .* asks transformers' generate for a rule qkv does not apply"),
+                       ({"num_beam_groups": 2, "diversity_penalty": 0.5}, "field 'num_beam_groups'"), ({"exponential_decay_length_penalty": [5, 1.5]}, "exponential_decay_length_penalty")):  # fmt: skip
+        (d / "generation_config.json").write_text(json.dumps({**gen, **bad}))
+        with pytest.raises(ModelError, match=match) as e:
+            load_seq2seq_lm(d)
+        assert str(e.value).startswith(str(d / "generation_config.json")), e.value
+    (d / "generation_config.json").write_text(json.dumps({**gen, "max_length": 1}))
+    with pytest.raises(ValueError, match=r"max_length \(1\) leaves no room after the decoder's 1 prompt tokens"):
+        load_seq2seq_lm(d).generate([0, 5, 2])
+
+
 def test_a_source_longer_than_the_model_allows(torch, tmp_path):
     _, d = _tiny_bart("bart", torch, tmp_path)
     lm = load_seq2seq_lm(d)
@@ -365,12 +437,12 @@ def test_generate_command_runs_an_encoder_decoder_as_transformers_does(torch, tm
     source = "w5 w9 w12 w7 w30"
     src = tok.encode(source).ids
     lengths = set()
-    for options in ([], ["--num-beams", "3"], ["--num-beams", "4", "--length-penalty", "-0.5", "--early-stopping"]):
+    for options in ([], ["--num-beams", "3"], ["--num-beams", "4", "--length-penalty", "-0.5", "--early-stopping"], ["--num-beams", "3", "--length-penalty", "2", "--early-stopping", "never"]):
         r = run(source, "--model", str(d), "--max-new-tokens", "10", "--json", *options)
         assert r.returncode == 0, r.stderr
         got = js.loads(r.stdout)
         beams = int(options[1]) if options else 1
-        extra = dict(length_penalty=-0.5, early_stopping=True) if "--early-stopping" in options else {}
+        extra = dict(length_penalty=float(options[3]), early_stopping=True if options[-1] == "--early-stopping" else options[-1]) if "--early-stopping" in options else {}
         with torch.no_grad():
             want = model.generate(torch.tensor([src]), max_new_tokens=10, num_beams=beams, do_sample=False, **extra)[0, 1:].tolist()
         n = len(got["token_ids"])
@@ -380,6 +452,18 @@ def test_generate_command_runs_an_encoder_decoder_as_transformers_does(torch, tm
     assert len(lengths) >= 2  # the options changed the answer: the comparison means something
     r = run(source, "--model", str(d), "--num-beams", "2")
     assert r.returncode == 0 and r.stdout.strip() and "2 beams, score" in r.stderr
+    # No options: the model's generation config's search and length, as transformers' generate takes them
+    gen = js.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(js.dumps({**gen, "num_beams": 3, "length_penalty": 2.0, "max_length": 8}))
+    model.generation_config = type(model.generation_config).from_pretrained(d)
+    r = run(source, "--model", str(d), "--json")
+    assert r.returncode == 0, r.stderr
+    got = js.loads(r.stdout)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([src]))[0, 1:].tolist()
+    assert got["token_ids"] == want[: len(got["token_ids"])] and got["num_beams"] == 3 and len(got["token_ids"]) <= 7, (got, want)
+    r = run(source, "--model", str(d), "--early-stopping", "sometimes")
+    assert r.returncode == 2 and "--early-stopping: should be true, false or never, got 'sometimes'" in r.stderr
     r = run(source, "--model", str(d), "--temperature", "0.7")
     assert r.returncode == 2 and "--temperature: not for an encoder-decoder --model" in r.stderr
     r = run(source, "--model", str(d), "--num-beams", "1000")
@@ -586,6 +670,32 @@ def test_whisper_generate_equals_transformers(num_beams, torch, tmp_path):
     assert varied >= 2
     with pytest.raises(ValueError, match="sampling_rate should be 16000"):
         lm.generate(np.zeros(8_000), sampling_rate=8_000)
+
+
+@pytest.mark.parametrize("fields", [{"max_length": 9}, {"max_length": 448}, {"max_new_tokens": 12, "num_beams": 2}], ids=str)
+def test_whisper_length_follows_the_generation_config_as_transformers_takes_it(fields, torch, tmp_path):
+    """Whisper's generation configs say max_length 448: transformers' Whisper generate counts it in new
+    tokens, the prompt's on top, within the decoder's positions (40 here); max_new_tokens likewise. qkv
+    had written 32 tokens whatever the config, cutting a 30 s transcript short."""
+    import json
+
+    model, d = _tiny_whisper(torch, tmp_path)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+    model.generation_config = type(model.generation_config).from_pretrained(d)
+    lm = load_seq2seq_lm(d)
+    lengths = set()
+    for name, audio in _audio().items():
+        feats = lm.features(audio, sampling_rate=16_000)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor(feats)).tolist()[0]  # no options: its generation config's
+        got = lm.generate(audio, sampling_rate=16_000).token_ids
+        assert got == ref, (name, got, ref)  # (no EOS here: the length rule decides)
+        lengths.add(len(got))
+    assert lengths == {min(fields.get("max_new_tokens", fields.get("max_length")), 40 - 1)}
+    (d / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 40}))  # past the 40 positions with the prompt: refused, as transformers does
+    with pytest.raises(ValueError, match=r"max_new_tokens \(40\) and the decoder's 1 prompt tokens pass this model's 40 positions"):
+        load_seq2seq_lm(d).generate(_audio()["sweep"], sampling_rate=16_000)
 
 
 def test_whisper_reads_a_wav_and_the_attention_command_draws_it(torch, tmp_path):

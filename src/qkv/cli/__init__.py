@@ -25,7 +25,7 @@ from .common import CLIError, DECODER_NAME, DEFAULT_TEXT, ENCODER_NAME, MAX_TABL
 from .demo import cmd_demo
 from .embed import cmd_embed, cmd_search
 from .attention import cmd_attention
-from .generate import DEFAULT_PROMPT, _add_sampling, cmd_chat, cmd_generate, unescape  # noqa: F401 - unescape: part of qkv.cli
+from .generate import DEFAULT_PROMPT, _add_sampling, cmd_chat, cmd_generate, early_stopping_option, unescape  # noqa: F401 - unescape: part of qkv.cli
 from .serve import add_parser as add_serve_parser
 from .train import cmd_train
 
@@ -114,10 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", metavar="FILE", help="read PROMPT from a file (UTF-8)")
     gen.add_argument("--chat", action="store_true", help="PROMPT is a user's turn: rendered by the model's chat template, answered in the model's turn")
     gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the turn")
-    _add_sampling(gen, default_tokens=32)
-    gen.add_argument("--num-beams", type=int, metavar="N", help="with an encoder-decoder --model: beam search with N beams (default 1: greedy)")
-    gen.add_argument("--length-penalty", type=float, metavar="X", help="with --num-beams: finished beams are scored by sum of log-probabilities / length ** X (default 1)")
-    gen.add_argument("--early-stopping", action="store_true", help="with --num-beams: stop as soon as N beams have finished")
+    _add_sampling(gen, default_tokens=None)
+    gen.add_argument("--num-beams", type=int, metavar="N", help="with an encoder-decoder --model: beam search with N beams (default: the model's generation config's, else 1: greedy)")
+    gen.add_argument("--length-penalty", type=float, metavar="X", help="with beam search: finished beams are scored by sum of log-probabilities / length ** X (default: the generation config's, else 1)")
+    gen.add_argument("--early-stopping", nargs="?", const=True, type=early_stopping_option, metavar="WHEN",
+                     help="with beam search: true (or no value): stop as soon as N beams have finished; false: once no running beam can beat them at its "
+                          "length; never: nor at the longest length (default: the generation config's, else false)")  # fmt: skip
     gen.add_argument("--json", action="store_true", help="print JSON: prompt, text, token ids, timings (no streaming)")
     gen.set_defaults(func=cmd_generate)
 

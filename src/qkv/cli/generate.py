@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -115,8 +116,9 @@ def _generate_seq2seq(args, prompt: str) -> int:
         raise CLIError(f"{', '.join(given)}: not for an encoder-decoder --model, which decodes greedily or by beam search (--num-beams, --length-penalty, --early-stopping)")
     lm = _load_seq2seq(args.model, "generate")
     src = _seq2seq_source(lm, prompt, "SOURCE")
-    beams = 1 if args.num_beams is None else args.num_beams
-    out = lm.generate(src, max_new_tokens=args.max_new_tokens, num_beams=beams, length_penalty=1.0 if args.length_penalty is None else args.length_penalty, early_stopping=args.early_stopping)
+    # An option not given is the checkpoint's (its generation config's), as in Seq2SeqLM.generate
+    out = lm.generate(src, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=args.early_stopping)
+    beams = lm.config.num_beams if args.num_beams is None else args.num_beams
     if args.json:
         print(json.dumps({"model": str(args.model), "source": prompt, "num_beams": beams, "text": out.text, "token_ids": out.token_ids, "source_ids": out.source_ids, "stop_reason": out.stop_reason, "score": out.score, "timings": out.timings}))
         return 0
@@ -128,7 +130,7 @@ def _generate_seq2seq(args, prompt: str) -> int:
 
 def cmd_generate(args) -> int:
     seq2seq = _is_seq2seq(args.model)
-    beam_flags = [f for f, on in (("--num-beams", args.num_beams is not None), ("--length-penalty", args.length_penalty is not None), ("--early-stopping", args.early_stopping)) if on]
+    beam_flags = [f for f, on in (("--num-beams", args.num_beams is not None), ("--length-penalty", args.length_penalty is not None), ("--early-stopping", args.early_stopping is not None)) if on]
     if beam_flags and not seq2seq:
         raise CLIError(f"{', '.join(beam_flags)}: beam search is for an encoder-decoder --model (a T5, BART, Marian or Whisper directory); a causal LM decodes greedily or samples (--temperature)")
     options = _sampling(args)
@@ -151,6 +153,8 @@ def cmd_generate(args) -> int:
         if args.int8_activations:
             raise CLIError("--int8-activations is for a causal LM's quantized products (a GGUF --model); an encoder-decoder runs float32")
         return _generate_seq2seq(args, prompt)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = DEFAULT_NEW_TOKENS
     with _activations(args):
         return _generate(args, prompt, options)
 
@@ -226,9 +230,22 @@ def _chat(args, options: dict) -> int:
         history.append({"role": "assistant", "content": out.text})
 
 
-def _add_sampling(p, *, default_tokens: int) -> None:
-    """The generation options generate and chat share."""
-    p.add_argument("--max-new-tokens", type=int, default=default_tokens, help=f"most tokens to add (default {default_tokens}); stops earlier at end of text or turn")
+#: --max-new-tokens of a causal LM where not given (an encoder-decoder takes its generation config's length)
+DEFAULT_NEW_TOKENS = 32
+
+
+def early_stopping_option(text: str):
+    """--early-stopping's value: true (also given alone), false or never, as transformers' early_stopping."""
+    value = {"true": True, "false": False, "never": "never"}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"should be true, false or never, got {text!r}")
+    return value
+
+
+def _add_sampling(p, *, default_tokens: int | None) -> None:
+    """The generation options generate and chat share (``default_tokens`` None: the model's, where it has one)."""
+    told = f"default {default_tokens}" if default_tokens else f"default {DEFAULT_NEW_TOKENS}; an encoder-decoder's generation config's length where it sets one"
+    p.add_argument("--max-new-tokens", type=int, default=default_tokens, help=f"most tokens to add ({told}); stops earlier at end of text or turn")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0, sample")
     p.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
     p.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability P (0 < P <= 1)")

@@ -16,13 +16,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import numbers
 from pathlib import Path
 
 import numpy as np
 
 from . import families
 from .engines.decoder import CausalLM
-from .engines.seq2seq import Seq2SeqLM
+from .engines.sampling import MAX_PENALTY
+from .engines.seq2seq import Seq2SeqLM, check_beams, check_early_stopping, check_length_penalty
 from .errors import ModelError
 from .formats.files import FieldReader, TensorReader, model_path, read_json, regular_file
 
@@ -180,9 +182,10 @@ def _seq2seq_generation(gen: FieldReader, cfg) -> dict:
     """What transformers' ``generate`` takes from an encoder-decoder's generation config, as fields of its
     Seq2SeqConfig: the start, end, forced-end and forced-first ids where it gives them (they replace
     config.json's), the tokens never generated (``suppress_tokens``, and ``bad_words_ids`` of one token
-    each: Marian's padding token) or never first, the minimum lengths, ``no_repeat_ngram_size`` and
-    ``renormalize_logits``. The search's own settings (beams, length penalty, early stopping, maximum
-    length) stay the caller's."""
+    each: Marian's padding token) or never first, the minimum lengths, the n-grams not repeated (the
+    target's, the source's), the repetition penalties, ``renormalize_logits``, and the search's defaults
+    (beams, length penalty, early stopping, length), which the caller's options override. A rule
+    transformers would apply and qkv does not is refused, naming the field."""
     V = cfg.vocab_size
     out = {key: () if gen.config.get(key) in (None, []) else gen.token_id(key, V, many=True) for key in ("suppress_tokens", "begin_suppress_tokens")}
     for key in ("decoder_start_token_id", "forced_eos_token_id", "forced_bos_token_id"):
@@ -205,7 +208,41 @@ def _seq2seq_generation(gen: FieldReader, cfg) -> dict:
         eos = out.get("eos_token_id", cfg.eos_token_id)
         out["suppress_tokens"] = tuple(dict.fromkeys(out["suppress_tokens"] + tuple(i for i in ids if i != eos)))  # (EOS is never a bad word, as in transformers)
     out["renormalize_logits"] = gen("renormalize_logits", bool, False)
+    out["encoder_no_repeat_ngram_size"] = 0 if gen.config.get("encoder_no_repeat_ngram_size") in (None, 0) else gen("encoder_no_repeat_ngram_size", int)
+    # The search's defaults (the caller's options override them) and the penalties, checked as the options are
+    with _naming_option(gen.source):
+        for key, check in (("num_beams", check_beams), ("length_penalty", check_length_penalty), ("early_stopping", check_early_stopping),
+                           ("repetition_penalty", _penalty), ("encoder_repetition_penalty", _penalty)):  # fmt: skip
+            if gen.config.get(key) is not None:
+                out[key] = check(gen.config[key], f"field {key!r}")
+    for key in ("max_length", "max_new_tokens"):
+        if gen.config.get(key) is not None:
+            out[key] = gen(key, int)
+    # What transformers' generate would also apply, and qkv does not: refused rather than silently left out
+    # (sampling, do_sample, is not followed, as for causal LMs: qkv decodes greedily or by beam search).
+    unsupported = {"sequence_bias": None, "exponential_decay_length_penalty": None, "force_words_ids": None, "constraints": None,
+                   "guidance_scale": 1, "num_beam_groups": 1, "diversity_penalty": 0, "penalty_alpha": None, "watermarking_config": None}  # fmt: skip
+    for key, none in unsupported.items():
+        if gen.config.get(key) not in (None, none, [], {}):
+            raise ModelError(f"{gen.source}: field {key!r} ({gen.config[key]!r:.60}) asks transformers' generate for a rule qkv does not apply; "
+                             "remove it to generate without it")  # fmt: skip
     return out
+
+
+def _penalty(value, name: str) -> float:
+    """A repetition penalty of a generation config: a number in [1e-6, 1e6], as qkv's sampling takes one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1 / MAX_PENALTY <= value <= MAX_PENALTY:
+        raise ValueError(f"{name} should be a number in [1e-6, 1e6] (1 = none), got {value!r}")
+    return float(value)
+
+
+@contextlib.contextmanager
+def _naming_option(source: str):
+    """A generation option's ValueError, as a ModelError naming the file."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise ModelError(f"{source}: {exc}") from None
 
 
 def _generation_config(path: Path, c: dict) -> FieldReader:

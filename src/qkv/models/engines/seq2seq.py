@@ -36,6 +36,7 @@ from ...attention import scaled_dot_product_attention
 from ...cache import KVCache
 from ...softmax import logsumexp
 from .decoder import check_token_ids
+from .sampling import penalize
 from ..errors import ModelError
 from ..formats.tokenizer import tokenizer_call
 from .config import ModelConfig
@@ -48,6 +49,38 @@ __all__ = ["Seq2SeqConfig", "Attention", "Seq2SeqLayer", "Seq2SeqLM", "Seq2SeqCa
 MAX_BEAMS = 256
 #: The largest |length_penalty|: past it, length ** length_penalty overflows a float for long targets.
 MAX_LENGTH_PENALTY = 10.0
+#: The most new tokens :meth:`Seq2SeqLM.generate` writes where neither its caller nor the checkpoint's
+#: generation config sets a length (transformers' default, a max_length of 20, is 19 new tokens).
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+def check_beams(num_beams, name: str = "num_beams") -> int:
+    """``num_beams``: an integer in [1, :data:`MAX_BEAMS`] (1: greedy)."""
+    from ..._checks import check_int
+
+    num_beams = check_int(num_beams, name, minimum=1)
+    if num_beams > MAX_BEAMS:  # each beam is a row of every step's batch: 10**6 took 60 s and 6.7 GB before failing
+        raise ValueError(f"{name} should be at most {MAX_BEAMS}, got {num_beams:,}")
+    return num_beams
+
+
+def check_length_penalty(length_penalty, name: str = "length_penalty") -> float:
+    """A length penalty: a number in [-:data:`MAX_LENGTH_PENALTY`, :data:`MAX_LENGTH_PENALTY`]."""
+    from ..._checks import check_real
+
+    length_penalty = check_real(length_penalty, name)
+    if not abs(length_penalty) <= MAX_LENGTH_PENALTY:  # NaN too: it silently changed which beam won
+        raise ValueError(f"{name} should be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (scores are divided by length ** length_penalty), got {length_penalty!r}")
+    return float(length_penalty)
+
+
+def check_early_stopping(early_stopping, name: str = "early_stopping") -> bool | str:
+    """True, False or ``"never"``, as transformers takes them."""
+    if isinstance(early_stopping, (bool, np.bool_)):
+        return bool(early_stopping)
+    if isinstance(early_stopping, str) and early_stopping == "never":
+        return early_stopping
+    raise ValueError(f"{name} should be True, False or 'never', got {early_stopping!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +101,16 @@ class Seq2SeqConfig(ModelConfig):
     those (Marian's generation config asks for it). As transformers' generate applies them (BART-large-CNN's
     config sets all three): ``forced_bos_token_id`` is the first token after a one-token prompt;
     EOS is never written before the sequence (prompt included) holds ``min_length`` tokens or
-    ``min_new_tokens`` new ones; and no ``no_repeat_ngram_size`` tokens in a row are written twice.
+    ``min_new_tokens`` new ones; and no ``no_repeat_ngram_size`` tokens in a row are written twice (nor
+    ``encoder_no_repeat_ngram_size`` tokens of the source); ``repetition_penalty`` makes the tokens
+    written so far less likely (the start token included) and ``encoder_repetition_penalty`` the source's
+    more likely, as transformers' processors of those names do.
+
+    The search's defaults, which :meth:`Seq2SeqLM.generate` takes where its caller gives none (the
+    checkpoint's generation config sets them, as transformers' ``generate`` takes them: opus-mt 4 or 6
+    beams, BART-large-CNN 4 with a length penalty of 2): ``num_beams``, ``length_penalty``,
+    ``early_stopping`` (True, False or ``"never"``), ``max_new_tokens`` or else ``max_length`` (the
+    decoder's whole sequence, its start token included).
     """
 
     ffn_size: int
@@ -94,6 +136,14 @@ class Seq2SeqConfig(ModelConfig):
     min_length: int = 0
     min_new_tokens: int = 0
     no_repeat_ngram_size: int = 0
+    encoder_no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
+    encoder_repetition_penalty: float = 1.0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    max_length: int | None = None
+    max_new_tokens: int | None = None
 
     SIZES = ModelConfig.SIZES + ("ffn_size", "encoder_layers", "decoder_layers")
 
@@ -422,24 +472,31 @@ class Seq2SeqLM:
         return Seq2SeqOutput(dec, hidden)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, source, max_new_tokens: int = 32, *, num_beams: int = 1, length_penalty: float = 1.0, early_stopping: bool = False) -> Seq2SeqGenerateOutput:
+    def generate(self, source, max_new_tokens: int | None = None, *, num_beams: int | None = None, length_penalty: float | None = None,
+                 early_stopping: bool | str | None = None) -> Seq2SeqGenerateOutput:  # fmt: skip
         """The target for ``source`` (text or token ids): greedy, or beam search with ``num_beams`` > 1.
 
         Beam search follows transformers' ``generate``: at each step the ``2 num_beams`` best continuations
         of the running beams (sums of log-probabilities); one that ends in EOS among the first
         ``num_beams`` joins the finished hypotheses with its sum divided by ``length ** length_penalty``;
         the best ``num_beams`` others run on; the search stops when no running beam can beat the worst of
-        ``num_beams`` finished ones (``early_stopping=True``: as soon as there are ``num_beams``).
-        """
-        from ..._checks import check_int, check_real
+        ``num_beams`` finished ones at the current length (``early_stopping="never"`` with a positive
+        length penalty: at the longest length allowed; ``early_stopping=True``: as soon as there are
+        ``num_beams``).
 
-        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
-        num_beams = check_int(num_beams, "num_beams", minimum=1)
-        if num_beams > MAX_BEAMS:  # each beam is a row of every step's batch: 10**6 took 60 s and 6.7 GB before failing
-            raise ValueError(f"num_beams should be at most {MAX_BEAMS}, got {num_beams:,}")
-        length_penalty = check_real(length_penalty, "length_penalty")
-        if not abs(length_penalty) <= MAX_LENGTH_PENALTY:  # NaN too: it silently changed which beam won
-            raise ValueError(f"length_penalty should be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (scores are divided by length ** length_penalty), got {length_penalty!r}")
+        An option left as None is the checkpoint's (its generation config's, as transformers' ``generate``
+        takes it; :class:`Seq2SeqConfig`): beams 1, length penalty 1 and ``early_stopping`` False where it
+        says nothing, and for the length its ``max_new_tokens``, else its ``max_length`` less the decoder's
+        prompt, else :data:`DEFAULT_MAX_NEW_TOKENS`.
+        """
+        from ..._checks import check_int
+
+        c = self.config
+        num_beams = check_beams(c.num_beams if num_beams is None else num_beams)
+        length_penalty = check_length_penalty(c.length_penalty if length_penalty is None else length_penalty)
+        early_stopping = check_early_stopping(c.early_stopping if early_stopping is None else early_stopping)
+        if max_new_tokens is not None:
+            max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
         eos = self.config.eos_token_id
         src = self._source(source)
         if len(src) != 1:
@@ -447,11 +504,16 @@ class Seq2SeqLM:
         t0 = time.perf_counter()
         hidden = self.encode(src)
         prompt = self.decoder_prompt(hidden)  # the decoder start token, and what the model's generation config forces after it
+        if max_new_tokens is None:
+            max_new_tokens = self._default_length(len(prompt))
+        source_ids = src[0].tolist() if src.dtype.kind in "iu" else None  # audio features have no ids
+        if source_ids is None and (c.encoder_no_repeat_ngram_size or c.encoder_repetition_penalty != 1.0):
+            raise ValueError("this model's generation config sets encoder_no_repeat_ngram_size or encoder_repetition_penalty, which are rules over the source's token ids; its source here has none")
         if num_beams == 1:
             cache = self.new_cache(hidden)
             feed, new, reason = [prompt], [], "length"
             while len(new) < max_new_tokens:
-                tok = int(self._constrain(self.decode(feed, cache)[:, -1], prompt, [new], max_new_tokens)[0].argmax())
+                tok = int(self._constrain(self.decode(feed, cache)[:, -1], prompt, [new], max_new_tokens, source_ids)[0].argmax())
                 new.append(tok)
                 feed = [[tok]]
                 if tok == eos:
@@ -459,37 +521,59 @@ class Seq2SeqLM:
                     break
             score = None
         else:
-            new, score, reason = self._beam_search(hidden, prompt, max_new_tokens, num_beams, float(length_penalty), early_stopping)
+            new, score, reason = self._beam_search(hidden, prompt, source_ids, max_new_tokens, num_beams, length_penalty, early_stopping)
         text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
-        source_ids = src[0].tolist() if src.dtype.kind in "iu" else []  # audio features have no ids
-        return Seq2SeqGenerateOutput(text, new, source_ids, reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)}, prompt)
+        return Seq2SeqGenerateOutput(text, new, source_ids or [], reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)}, prompt)
 
     def read_generation(self, get, vocab_size: int) -> None:
         """Read what this model takes from its generation config (``get``: a FieldReader over it); the
         general encoder-decoder takes only its suppressed tokens, which the loader puts in the config."""
 
+    def _default_length(self, prompt_length: int) -> int:
+        """The most new tokens when the caller gives no ``max_new_tokens``: the generation config's, else its
+        ``max_length`` less the decoder's prompt (which counts in it, as in transformers), else the default."""
+        c = self.config
+        if c.max_new_tokens is not None:
+            return c.max_new_tokens
+        if c.max_length is None:
+            return DEFAULT_MAX_NEW_TOKENS
+        if c.max_length <= prompt_length:
+            raise ValueError(f"the generation config's max_length ({c.max_length}) leaves no room after the decoder's {prompt_length} prompt tokens: pass max_new_tokens")
+        return c.max_length - prompt_length
+
     def decoder_prompt(self, hidden) -> list:  # (1, S, E) encoder output -> token ids
         """The tokens the decoder starts from: the start token (Whisper adds what its generation config forces)."""
         return [self.config.decoder_start_token_id]
 
-    def _constrain(self, scores: np.ndarray, prompt: list, news: list, max_new_tokens: int) -> np.ndarray:  # (k, V) -> (k, V)
-        """The next token's scores of each row (``news``: its new tokens so far, after ``prompt``) with what
-        the generation config rules out set to -inf, or what it forces made the only choice; a copy.
+    def _constrain(self, scores: np.ndarray, prompt: list, news: list, max_new_tokens: int, source_ids) -> np.ndarray:  # (k, V) -> (k, V)
+        """The next token's scores of each row (``news``: its new tokens so far, after ``prompt``; the source's
+        token ids, or None for audio) with what the generation config rules out set to -inf, or what it
+        forces made the only choice; a copy.
 
-        The rules transformers' logits processors apply: no repeated n-gram, suppressed tokens (and bad
-        words), suppressed at the first step, no EOS before the minimum length, BOS forced after a
-        one-token prompt, EOS forced as the last token the length allows (BART). (Their order matters
-        only where two rules meet on one token: a forced token here wins over a suppressed one.)"""
+        The rules transformers' logits processors apply, in their order: the source's tokens made likelier
+        and the target's less likely (repetition penalties), no repeated n-gram (of the target, or of the
+        source), suppressed tokens (and bad words), suppressed at the first step, no EOS before the
+        minimum length, BOS forced after a one-token prompt, EOS forced as the last token the length
+        allows (BART). (The penalties come first; the rest set -inf or force a token, so their order
+        matters only where two meet on one token: a forced token here wins over a suppressed one.)"""
         c, step = self.config, len(news[0])
         scores = np.array(scores, copy=True)
-        n = c.no_repeat_ngram_size
-        if n:
+        if c.encoder_repetition_penalty != 1.0:  # transformers' EncoderRepetitionPenaltyLogitsProcessor: the inverse penalty
+            for row in range(len(scores)):
+                scores[row] = penalize(scores[row], source_ids, 1.0 / c.encoder_repetition_penalty)
+        if c.repetition_penalty != 1.0:  # over the decoder's whole input: its start token too, as transformers' processor sees it
+            for row, new in enumerate(news):
+                scores[row] = penalize(scores[row], list(prompt) + list(new), c.repetition_penalty)
+        for n, source in ((c.no_repeat_ngram_size, False), (c.encoder_no_repeat_ngram_size, True)):
+            if not n:
+                continue
             for row, new in enumerate(news):
                 seq = list(prompt) + list(new)
-                if len(seq) + 1 >= n:  # the n-grams written so far whose first n - 1 tokens end the row now
-                    tail = tuple(seq[len(seq) - n + 1 :])
-                    banned = [seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i : i + n - 1]) == tail]
-                    scores[row, banned] = -np.inf
+                if len(seq) + 1 < n:
+                    continue
+                tail = tuple(seq[len(seq) - n + 1 :])  # the n - 1 tokens that end the row now
+                done = source_ids if source else seq  # the n-grams written so far (or the source's) that start with them
+                scores[row, [done[i + n - 1] for i in range(len(done) - n + 1) if tuple(done[i : i + n - 1]) == tail]] = -np.inf
         ids = list(c.suppress_tokens) + (list(c.begin_suppress_tokens) if step == 0 else [])
         if ids:
             scores[:, ids] = -np.inf
@@ -508,7 +592,7 @@ class Seq2SeqLM:
             source = tokenizer_call(self.tokenizer.backend.encode, source).ids  # the file's own special tokens (T5: text </s>; BART: <s> text </s>)
         return self._ids(source, "source")
 
-    def _beam_search(self, hidden, prompt, max_new_tokens, k, length_penalty, early_stopping):
+    def _beam_search(self, hidden, prompt, source_ids, max_new_tokens, k, length_penalty, early_stopping):
         eos = self.config.eos_token_id
         # One row a beam in the self-attention cache; the cross-attention's keys and values are the
         # source's, the same for every beam: computed once, (1, H, S, D), broadcast over the beams.
@@ -524,7 +608,7 @@ class Seq2SeqLM:
             logits = self.decode(feed, cache)[:, -1].astype(np.float32)  # (k, V)
             logp = logits - logits.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))  # log-softmax
-            logp = self._constrain(logp, prompt, running, max_new_tokens)  # after the softmax, as transformers' beam search applies them
+            logp = self._constrain(logp, prompt, running, max_new_tokens, source_ids)  # after the softmax, as transformers' beam search applies them
             if self.config.renormalize_logits:  # transformers' LogitNormalization, after every other processor
                 logp = logp - logsumexp(logp, keepdims=True)
             total = (logp + run_scores[:, None]).ravel()  # (k V,)
@@ -534,7 +618,7 @@ class Seq2SeqLM:
             ends = (tok == eos) | last  # EOS, or the length limit: either finishes the hypothesis
             # Finished: among the first k candidates only, length-normalised; none once the search cannot improve.
             length = step + 1
-            full = len(done) == k and early_stopping
+            full = len(done) == k and early_stopping is True
             if improvable and not full:
                 for i in np.flatnonzero(ends[:k]):
                     done.append(running[beam[i]] + [int(tok[i])])
@@ -542,15 +626,17 @@ class Seq2SeqLM:
                 if len(done) > k:
                     order = np.argsort(-np.array(done_scores), kind="stable")[:k]
                     done, done_scores = [done[j] for j in order], [done_scores[j] for j in order]
-            if ends.all() or (early_stopping and len(done) == k):
+            if ends.all() or (early_stopping is True and len(done) == k):
                 break
             go = np.flatnonzero(~ends)[:k]  # the best k that go on
             running = [running[beam[i]] + [int(tok[i])] for i in go]
             run_scores = sc[go].astype(np.float32)
             feed = tok[go][:, None]
             cache.self_kv.reorder(beam[go])
-            # Stop once the best running beam, at the current length, cannot beat the worst finished one.
-            if len(done) == k and run_scores[0] / (length**length_penalty) <= min(done_scores):
+            # Stop once the best running beam, at the current length, cannot beat the worst finished one
+            # ("never", with a positive penalty that rewards length: not even at the longest allowed).
+            best_length = max_new_tokens if early_stopping == "never" and length_penalty > 0 else length
+            if len(done) == k and run_scores[0] / (best_length**length_penalty) <= min(done_scores):
                 improvable = False
                 break
         best = int(np.argmax(done_scores))

@@ -20,7 +20,7 @@ from ..errors import ModelError
 from ..formats.files import FieldReader
 from ..engines.functional import ACTIVATIONS
 from . import bart
-from ..engines.seq2seq import Seq2SeqConfig, Seq2SeqLM, Seq2SeqWeights
+from ..engines.seq2seq import DEFAULT_MAX_NEW_TOKENS, Seq2SeqConfig, Seq2SeqLM, Seq2SeqWeights
 
 __all__ = ["SAMPLING_RATE", "CHUNK_SECONDS", "mel_filters", "log_mel_spectrogram", "read_wav", "WhisperLM", "config_from_hf", "weights_from_hf"]
 
@@ -232,6 +232,22 @@ class WhisperLM(Seq2SeqLM):
             prompt.append(self.no_timestamps)
         return prompt
 
+    def _default_length(self, prompt_length: int) -> int:
+        """The most new tokens when the caller gives none, as transformers' Whisper ``generate`` sets them
+        (``_set_max_new_tokens_and_length``): the generation config's ``max_new_tokens``, or its
+        ``max_length`` counting the new tokens only (the prompt's come on top) and cut to the decoder's
+        positions (Whisper's configs say 448: the whole of a 30 s transcript)."""
+        c = self.config
+        room = c.max_positions - prompt_length
+        if c.max_new_tokens is not None:
+            if c.max_new_tokens > room:  # transformers refuses it too
+                raise ValueError(f"the generation config's max_new_tokens ({c.max_new_tokens}) and the decoder's {prompt_length} prompt tokens pass this model's "
+                                 f"{c.max_positions} positions: pass max_new_tokens")  # fmt: skip
+            return c.max_new_tokens
+        if c.max_length is not None:
+            return min(c.max_length + min(c.max_positions // 2 - 1, prompt_length), c.max_positions) - prompt_length
+        return min(DEFAULT_MAX_NEW_TOKENS, room)
+
     def features(self, audio, *, sampling_rate: int) -> np.ndarray:
         """The model's input for ``audio``: (1, n_mels, 3000)."""
         return log_mel_spectrogram(audio, sampling_rate=sampling_rate, n_mels=self.conv1_w.shape[1])[None]
@@ -253,7 +269,7 @@ class WhisperLM(Seq2SeqLM):
         h += self.encoder_positions[: h.shape[1]]
         return self._encoder_stack(h, None, output_attentions)
 
-    def generate(self, source, max_new_tokens: int = 32, *, sampling_rate: int | None = None, **options):
+    def generate(self, source, max_new_tokens: int | None = None, *, sampling_rate: int | None = None, **options):
         """Greedy or beam search (as :meth:`Seq2SeqLM.generate`) for audio (with ``sampling_rate``) or
         log-mel features; the tokens after the decoder's start token."""
         feats = self.features(source, sampling_rate=sampling_rate) if sampling_rate is not None else source

@@ -100,12 +100,13 @@ def _llama3_rope_factors(dim: int, rope: dict) -> np.ndarray:
     return np.array(out, np.float32)
 
 
-def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool = False, chat_template=None, rng=None, add_bos="as converters write it"):
+def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool = False, chat_template=None, rng=None, add_bos="as converters write it", metadata=()):
     """Write ``model`` (a transformers model of family ``arch``) to ``path`` in llama.cpp's layout.
 
     ``outtype``: F32, F16 or Q8_0 (2-D weights quantized by ``gguf.quants``, as the converter does, norms
     and biases F32), or a K-quant (Q4_K, Q5_K, Q6_K): 2-D weights replaced by random valid blocks, which
     the model is then defined by (both readers read the same bytes). Returns the weights as written.
+    ``metadata``: more keys, as ``(writer method, key, value)``: ``("add_float32", "general.sampling.temp", 0.7)``.
     """
     import gguf
 
@@ -200,6 +201,8 @@ def write(model, path, *, arch: str, outtype: str = "F32", vocab=None, spm: bool
     for gname, t in extra.items():
         w.add_tensor(gname, t)
         written[gname] = t
+    for method, key, value in metadata:
+        getattr(w, method)(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -644,3 +644,25 @@ def test_the_default_file_is_hashed_once_and_again_whenever_it_changes(tmp_path,
     f.write_bytes(b"y" * 100)  # the same size, rewritten in place: its change time moves
     os.utime(f, ns=(0, 0))
     assert not _verified(f, "abc")
+
+
+def test_a_generation_configs_recommended_sampling_is_read_as_vllm_takes_it(torch, tmp_path):
+    """generation_config.json's temperature, top_k, top_p, min_p and repetition_penalty are the sampling its
+    makers recommend (Qwen2.5's instruct models: 0.7, 20, 0.8 and 1.05): vLLM and llama-server take them as
+    a request's defaults, and qkv serve does (CausalLM.sampling_defaults); rules of the config that
+    transformers' generate applies and qkv's causal generate does not are named; a bad value is refused."""
+    model, d = _tiny("llama", torch, tmp_path)
+    gen = json.loads((d / "generation_config.json").read_text())
+    fields = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "no_repeat_ngram_size": 3}
+    (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+    got = load_causal_lm(d).sampling_defaults
+    assert got.values == {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}, got
+    assert got.ignored == ("no_repeat_ngram_size=3",) and got.source == str(d / "generation_config.json")
+    (d / "generation_config.json").write_text(json.dumps({**gen, "top_k": 0, "top_p": 1.0}))  # transformers' "none"
+    assert load_causal_lm(d).sampling_defaults.values == {}
+    for bad, match in (({"temperature": -1}, "'temperature' should be >= 0"), ({"top_k": 2.5}, "'top_k' should be a whole number"),
+                       ({"min_p": 2}, r"'min_p' should be in \[0, 1\]"), ({"repetition_penalty": 0}, r"'repetition_penalty' should be a number in \[1e-6, 1e6\]")):  # fmt: skip
+        (d / "generation_config.json").write_text(json.dumps({**gen, **bad}))
+        with pytest.raises(ModelError, match=match) as e:
+            load_causal_lm(d)
+        assert str(e.value).startswith(str(d / "generation_config.json"))

@@ -370,3 +370,26 @@ def test_cached_merges_are_kept_as_strings_only_where_no_piece_holds_a_space():
     spaced = tk.Tokenizer(tk.models.BPE(vocab={"a": 0, "b": 1, " b": 2, "ab": 3, "a b": 4}, merges=[("a", "b"), ("a", " b")]))
     kept = spaced.to_str()
     assert _merges_as_strings(kept) == kept
+
+
+def test_a_gguf_files_recommended_sampling_is_read_as_llama_cpp_reads_it(torch, tmp_path, bpe):
+    """general.sampling.* (llama.cpp's converter writes them from generation_config.json; llama.cpp takes
+    them as its defaults): float32 values read as written (0.95, not 0.949999988), those asking for
+    nothing left out, llama.cpp's own samplers named as not followed, a bad value refused by name."""
+    model = _model("llama", torch, len(bpe[0]))
+    path = tmp_path / "m.gguf"
+    meta = [("add_float32", "general.sampling.temp", 0.7), ("add_int32", "general.sampling.top_k", 20), ("add_float32", "general.sampling.top_p", 0.95),
+            ("add_float32", "general.sampling.min_p", 0.0), ("add_float32", "general.sampling.penalty_repeat", 1.05), ("add_int32", "general.sampling.mirostat", 2)]  # fmt: skip
+    gguf_writer.write(model, path, arch="llama", vocab=bpe, metadata=meta)
+    got = load_causal_lm(path).sampling_defaults
+    assert got.values == {"temperature": 0.7, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}, got
+    assert got.ignored == ("mirostat=2",) and got.source == f"{path}: metadata"
+    assert "temperature 0.7, top_k 20, top_p 0.95, repetition_penalty 1.05" in got.describe()
+    gguf_writer.write(model, path, arch="llama", vocab=bpe)
+    assert load_causal_lm(path).sampling_defaults.values == {}
+    for bad, match in ((("add_float32", "general.sampling.top_p", 1.5), r"'general.sampling.top_p' should be in \(0, 1\], got 1.5"),
+                       (("add_float32", "general.sampling.temp", float("nan")), "'general.sampling.temp' should be a finite number"),
+                       (("add_string", "general.sampling.top_k", "40"), "'general.sampling.top_k' should be a finite number")):  # fmt: skip
+        gguf_writer.write(model, path, arch="llama", vocab=bpe, metadata=[bad])
+        with pytest.raises(ModelError, match=match):
+            load_causal_lm(path)

@@ -541,3 +541,44 @@ def test_greedy_tokens_are_numpys_argmax_whatever_log_probabilities_are_asked_fo
     tokens = {top: [(t, tok) for t, tok, _ in v] for top, v in got.items()}
     assert tokens[0] == tokens[1] == tokens[3] == tokens[None] and len(tokens[None]) == 16
     assert got[0] == got[1] == got[3]
+
+
+def test_a_request_that_sets_no_sampling_gets_the_models_recommendation(torch, tmp_path):
+    """qkv serve's defaults for temperature, top_p, top_k, min_p and repetition_penalty are what the model's
+    files recommend (as vLLM and llama-server take them), OpenAI's for the rest; what a request sets wins;
+    sampling_defaults={} (qkv serve --sampling-defaults openai) gives OpenAI's whatever the model says."""
+    import http.client
+    import json
+
+    from qkv.models import load_causal_lm
+    from qkv.models.serving.server import start_server
+    from test_decoder import _tiny
+
+    model, d = _tiny("llama", torch, tmp_path)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.6, "top_k": 3, "repetition_penalty": 1.4}))
+    lm = load_causal_lm(d)
+    prompt = "w5 w9 w17 w33"
+
+    def post(port, body):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            c.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 12, "seed": 5, **body}), {"Content-Type": "application/json"})
+            r = c.getresponse()
+            assert r.status == 200
+            return json.loads(r.read())["choices"][0]["text"]
+        finally:
+            c.close()
+
+    def text(**options):
+        return lm.generate(prompt, max_new_tokens=12, seed=5, stop_at_eos=True, **options).text
+
+    recommended = text(temperature=0.6, top_k=3, repetition_penalty=1.4)
+    with start_server(lm, model_name="m", kv_tokens=512) as srv:
+        assert post(srv.port, {}) == recommended
+        assert post(srv.port, {"temperature": None, "top_k": None}) == recommended  # null: the default
+        assert post(srv.port, {"temperature": 0}) == text(temperature=0, repetition_penalty=1.4)  # a request's own setting wins
+        assert post(srv.port, {"top_k": 50, "repetition_penalty": 1}) == text(temperature=0.6, top_k=50)
+    with start_server(lm, model_name="m", kv_tokens=512, sampling_defaults={}) as srv:
+        assert post(srv.port, {}) == text(temperature=1.0)
+    assert len({recommended, text(temperature=1.0), text(temperature=0, repetition_penalty=1.4)}) == 3  # the comparisons tell the settings apart

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-variant", action="store_true", help="steps of more than 32 tokens (a prompt's chunk beside others) through BLAS tiles, whose last bits depend on the batch (default: batch-invariant answers)")
     p.add_argument("--int8-activations", action="store_true", help="round each token's activations to int8 per block of 32 before the quantized products, as llama.cpp does: not exact (answers stay batch-invariant), and on the Intel Xeon measured no faster than the default (docs/benchmarks.md)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that give no seed (default 0)")
+    p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
+                   help="the sampling of a request that does not set it: model (the default): what the model's files recommend (generation_config.json; a GGUF's "
+                        "general.sampling.*), as vLLM and llama-server take it, and OpenAI's defaults for the rest; openai: OpenAI's (temperature 1) whatever the model says")  # fmt: skip
     p.add_argument("--read-timeout", type=float, default=15.0, help="seconds a request's head may take to arrive (from the connection, or the previous answer), and its body (from its head): closed, or 408, past them (default 15)")
     p.add_argument("--max-connections", type=int, default=512, help="open connections at most; one more is answered 503 (default 512)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level (default info)")
@@ -131,12 +134,16 @@ def cmd_serve(args) -> int:
     name = args.model_name or (DECODER_NAME if args.model in (None, DECODER_NAME) else os.path.basename(os.path.normpath(args.model)))
     limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_context=args.context, timeout_s=args.timeout, read_timeout_s=args.read_timeout)
     scheduler, app = build(lm, model_name=name, api_key=key, embedder=embedder, embedding_name=embedding_name, kv_tokens=args.kv_tokens, page_size=args.page_size, max_batch=args.max_batch,
-                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, int8_activations=args.int8_activations, seed=args.seed, limits=limits, allow_origins=origins)  # fmt: skip
+                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, threads=args.threads, batch_invariant=not args.batch_variant, int8_activations=args.int8_activations, seed=args.seed, limits=limits, allow_origins=origins,
+                           sampling_defaults=None if args.sampling_defaults == "model" else {})  # fmt: skip
     scheduler.start()
     where = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{sock.getsockname()[1]}/v1"  # (--port 0: the port the system gave)
     note = exposure_note(args.host, key, origins)
     if note:
         print(note, file=sys.stderr, flush=True)
+    recommended = lm.sampling_defaults
+    if args.sampling_defaults == "model" and (recommended.values or recommended.ignored):  # said, as vLLM says it: a request's own settings win
+        print(f"qkv: the sampling of a request that does not set it follows the model's recommendation: {recommended.describe()}", file=sys.stderr, flush=True)
     print(f"qkv: serving {name!r} at {where} (KV pool {scheduler.pool.nbytes / 2**20:.0f} MiB, {args.kv_tokens} tokens; batch-{'variant' if args.batch_variant else 'invariant'}{'; int8 activations' if args.int8_activations else ''})", file=sys.stderr, flush=True)
     try:
         server(config(app, host=args.host, port=args.port, log_level=args.log_level, read_timeout=args.read_timeout, max_connections=args.max_connections), scheduler.close).run(sockets=[sock])

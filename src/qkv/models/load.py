@@ -117,11 +117,39 @@ def _load_gguf(path: Path, keep_quantized: bool = True) -> CausalLM:
         raise ModelError(f"{path}: tensor {extra[0]!r} is not part of a {cfg.num_layers}-layer {arch} model ({len(extra)} unexpected tensors)")
     template = g.field("tokenizer.chat_template")
     name = str(g.field("general.name", path.stem))
+    sampling = _gguf_sampling(g, path)
     g.close()  # unmapped once the quantized matrices (views of it) are gone
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embeddings {cfg.vocab_size}")
     chat, tuned, why = _chat_template(template, f"{path}: tokenizer.chat_template", tokenizer, cfg.family)
-    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=name, chat_template=chat, instruction_tuned=tuned, no_chat_template=why)
+    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=name, chat_template=chat, instruction_tuned=tuned,
+                    no_chat_template=why, sampling_defaults=sampling)  # fmt: skip
+
+
+def _gguf_sampling(g, path: Path):
+    """The sampling a GGUF file recommends (``general.sampling.*``, which llama.cpp takes as its defaults),
+    and those of its settings qkv's sampler has no equivalent of."""
+    from .engines.sampling import GGUF_SAMPLING_KEYS, recommended_sampling
+
+    fields = {key: g.field(key) for key in GGUF_SAMPLING_KEYS.values()}
+    ignored = []
+    for key, none in (("general.sampling.xtc_probability", 0), ("general.sampling.mirostat", 0), ("general.sampling.penalty_last_n", None), ("general.sampling.sequence", None)):
+        v = g.field(key)
+        if v is not None and (none is None or v != none):
+            ignored.append(f"{key.rsplit('.', 1)[1]}={v if isinstance(v, str) else f'{float(str(np.float32(v))):g}'}")
+    return recommended_sampling(fields, GGUF_SAMPLING_KEYS, f"{path}: metadata", ignored=tuple(ignored), float32=True)
+
+
+def _hf_sampling(gen: FieldReader):
+    """The sampling a Hugging Face directory's generation config recommends (vLLM's defaults), and the rules
+    of it transformers' generate would apply that qkv's causal generate does not."""
+    from .engines.sampling import HF_SAMPLING_KEYS, recommended_sampling
+
+    c = gen.config
+    none = {"typical_p": 1, "epsilon_cutoff": 0, "eta_cutoff": 0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "bad_words_ids": None,
+            "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None, "exponential_decay_length_penalty": None}  # fmt: skip
+    ignored = tuple(f"{k}={c[k]!r:.40}" for k, v in none.items() if c.get(k) not in (None, v, [], {}))
+    return recommended_sampling(c, HF_SAMPLING_KEYS, gen.source, ignored=ignored)
 
 
 def _chat_template(source, origin: str, tokenizer, family: str):
@@ -168,14 +196,16 @@ def _load_hf(path: Path) -> CausalLM:
         raise ModelError(f"{t.file}: tensor {extra[0]!r} is not part of the model config.json describes ({cfg.num_layers} layers; {len(extra)} unexpected tensors)")
     # transformers' generate ends at every id of generation_config.json's eos_token_id (Qwen2.5's chat
     # models list <|im_end|> and <|endoftext|> there, their config.json only the first)
-    tokenizer = tk.from_file(path / "tokenizer.json", c, str(cfg_file), eos_ids=_generation_config(path, c).token_id("eos_token_id", cfg.vocab_size, many=True))
+    gen = _generation_config(path, c)
+    tokenizer = tk.from_file(path / "tokenizer.json", c, str(cfg_file), eos_ids=gen.token_id("eos_token_id", cfg.vocab_size, many=True))
     template, origin = None, f"{path}: chat template"
     if (path / "chat_template.jinja").is_file():
         template, origin = regular_file(path / "chat_template.jinja", "a chat template", max_bytes=1 << 20).read_text(encoding="utf-8"), str(path / "chat_template.jinja")
     elif (path / "tokenizer_config.json").is_file():
         template, origin = read_json(path / "tokenizer_config.json").get("chat_template"), f"{path / 'tokenizer_config.json'}: chat_template"
     chat, tuned, why = _chat_template(template, origin, tokenizer, cfg.family)
-    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat, instruction_tuned=tuned, no_chat_template=why)
+    return CausalLM(cfg, w.embed, w.layers, w.final_norm, lm_head=w.lm_head, positions=w.positions, embed_norm=w.embed_norm, tokenizer=tokenizer, name=path.resolve().name, chat_template=chat,
+                    instruction_tuned=tuned, no_chat_template=why, sampling_defaults=_hf_sampling(gen))  # fmt: skip
 
 
 def _seq2seq_generation(gen: FieldReader, cfg) -> dict:

@@ -279,8 +279,13 @@ class CausalLM:
     """
 
     def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list, final_norm: tuple, *, lm_head: np.ndarray | None = None, positions: np.ndarray | None = None, embed_norm: tuple | None = None,
-                 tokenizer=None, name: str = "model", chat_template=None, instruction_tuned: bool | None = None, no_chat_template: str | None = None):  # fmt: skip
+                 tokenizer=None, name: str = "model", chat_template=None, instruction_tuned: bool | None = None, no_chat_template: str | None = None, sampling_defaults=None):  # fmt: skip
+        from .sampling import SamplingDefaults
+
         self.config = config
+        #: The sampling the model's files recommend (qkv.models.engines.sampling.SamplingDefaults): qkv serve's
+        #: defaults, as vLLM's and llama-server's; generate stays greedy unless told (pass ``**.values``).
+        self.sampling_defaults = sampling_defaults if sampling_defaults is not None else SamplingDefaults()
         self.chat_template = chat_template  # a qkv.models.formats.chat.ChatTemplate, or None
         #: Why there is no chat template (said in the errors of a chat), when there is none.
         self.no_chat_template = no_chat_template or "its file carries none, and qkv lends one to Gemma files only"

@@ -18,17 +18,98 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ...softmax import softmax
 
-__all__ = ["next_token", "token_probabilities", "check_sampling", "check_penalty", "penalize", "MAX_PENALTY"]
+__all__ = ["next_token", "token_probabilities", "check_sampling", "check_penalty", "penalize", "MAX_PENALTY", "SamplingDefaults", "recommended_sampling", "HF_SAMPLING_KEYS", "GGUF_SAMPLING_KEYS"]
 
 #: The repetition penalty lies in [1 / MAX_PENALTY, MAX_PENALTY]. Past it the logits' float32 breaks:
 #: a penalty of 1e-50 is 0 in float32 (a division by zero), one of 1e300 infinite; and a factor of a
 #: million already makes a seen token as good as banned (or forced).
 MAX_PENALTY = 1e6
+
+
+#: Where a model's files recommend its sampling: generate's option -> the key of generation_config.json
+#: (transformers' GenerationConfig, which vLLM takes as its defaults) ...
+HF_SAMPLING_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+#: ... and of a GGUF file's metadata (llama.cpp's converter writes them from generation_config.json;
+#: llama.cpp takes them as its defaults). llama.cpp's penalty covers the last penalty_last_n tokens
+#: (64 by default), qkv's (transformers') every token so far.
+GGUF_SAMPLING_KEYS = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k", "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
+                      "repetition_penalty": "general.sampling.penalty_repeat"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling a model's files recommend (:func:`recommended_sampling`).
+
+    ``values``: keyword arguments of :meth:`CausalLM.generate` (``temperature``, ``top_k``, ``top_p``,
+    ``min_p``, ``repetition_penalty``), those the files set; ``source``: where they were read;
+    ``ignored``: ``"key=value"`` settings of the files that qkv's sampler has no equivalent of.
+    """
+
+    values: dict = field(default_factory=dict)
+    source: str = ""
+    ignored: tuple = ()
+
+    def describe(self) -> str:
+        """One line: what is recommended, from where, and what of it is not followed.
+
+        >>> SamplingDefaults({"temperature": 0.7, "top_k": 20}, "generation_config.json").describe()
+        'temperature 0.7, top_k 20 (generation_config.json)'
+        """
+        if not self.values and not self.ignored:
+            return "none"
+        text = ", ".join(f"{k} {v:g}" for k, v in self.values.items()) or "nothing qkv follows"
+        return f"{text} ({self.source}" + (f"; not followed: {', '.join(self.ignored)})" if self.ignored else ")")
+
+
+def recommended_sampling(fields: dict, keys: dict, source: str, *, ignored: tuple = (), float32: bool = False) -> SamplingDefaults:
+    """The sampling settings ``fields`` recommends (``keys``: :data:`HF_SAMPLING_KEYS` or
+    :data:`GGUF_SAMPLING_KEYS`), checked: a bad one is a :class:`~qkv.models.errors.ModelError` naming
+    ``source`` and the key. Settings that ask for nothing (top_k 0, top_p 1, min_p 0) are left out.
+    ``float32``: the values were stored as float32 (GGUF): 0.95 is read as 0.95, not 0.949999988.
+
+    >>> recommended_sampling({"temperature": 0.6, "top_p": 0.95, "top_k": 0}, HF_SAMPLING_KEYS, "generation_config.json").values
+    {'temperature': 0.6, 'top_p': 0.95}
+    """
+    from ..errors import ModelError
+
+    values = {}
+    for name, key in keys.items():
+        v = fields.get(key)
+        if v is None:
+            continue
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise ModelError(f"{source}: {key!r} should be a finite number, got {v!r:.60}")
+        v = float(str(np.float32(v))) if float32 and isinstance(v, (float, np.floating)) else v
+        if name == "top_k":
+            if v != int(v):
+                raise ModelError(f"{source}: {key!r} should be a whole number, got {v!r}")
+            if v > 0:  # 0 (or less, for llama.cpp): no top-k
+                values[name] = int(v)
+        elif name == "temperature":
+            if v < 0:
+                raise ModelError(f"{source}: {key!r} should be >= 0, got {v!r}")
+            values[name] = float(v)
+        elif name == "top_p":
+            if not 0 < v <= 1:
+                raise ModelError(f"{source}: {key!r} should be in (0, 1], got {v!r}")
+            if v < 1:
+                values[name] = float(v)
+        elif name == "min_p":
+            if not 0 <= v <= 1:
+                raise ModelError(f"{source}: {key!r} should be in [0, 1], got {v!r}")
+            if v > 0:
+                values[name] = float(v)
+        elif not 1 / MAX_PENALTY <= v <= MAX_PENALTY:
+            raise ModelError(f"{source}: {key!r} should be a number in [1e-6, 1e6] (1 = none), got {v!r}")
+        elif v != 1:
+            values[name] = float(v)
+    return SamplingDefaults(values, source, tuple(ignored))
 
 
 def check_penalty(repetition_penalty, min_p):

@@ -68,6 +68,10 @@ def error_response(status: int, message: str, *, param=None, code=None, kind="in
 # ------------------------------------------------------------ request bodies
 
 
+#: The sampling of a request that sets none, where the model recommends none: OpenAI's (temperature 1).
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": None, "top_k": None, "min_p": None, "repetition_penalty": 1.0}
+
+
 class _Strict(BaseModel):
     """A request object: an unknown field is refused; a field given as null takes its default.
 
@@ -93,8 +97,10 @@ class _Body(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    # temperature, top_p, top_k, min_p and repetition_penalty: None (not given) is the model's recommendation
+    # where its files make one (:attr:`CausalLM.sampling_defaults`, as vLLM and llama-server take them), else OpenAI's
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: dict | None = None
@@ -103,7 +109,7 @@ class _Body(_Strict):
     # beyond OpenAI's arguments, as vLLM and llama-server name them: qkv generate's options of the same names
     top_k: int | None = Field(default=None, ge=1)
     min_p: float | None = Field(default=None, gt=0, le=1)
-    repetition_penalty: float = Field(default=1.0, ge=1 / MAX_PENALTY, le=MAX_PENALTY)  # (float32 logits break past it)
+    repetition_penalty: float | None = Field(default=None, ge=1 / MAX_PENALTY, le=MAX_PENALTY)  # (float32 logits break past it)
     # OpenAI's, changing nothing here
     user: str | None = None
     # OpenAI's, not implemented (_UNSUPPORTED)
@@ -297,8 +303,9 @@ async def _after(first, gen):
 
 
 class _Server:
-    def __init__(self, scheduler, lm, model_name: str, limits: Limits, api_key: str | None, embedder, embedding_name: str | None):
+    def __init__(self, scheduler, lm, model_name: str, limits: Limits, api_key: str | None, embedder, embedding_name: str | None, sampling_defaults: dict):
         self.scheduler, self.lm, self.model_name, self.limits, self.api_key = scheduler, lm, model_name, limits, api_key
+        self.sampling_defaults = {**OPENAI_SAMPLING, **sampling_defaults}  # what a request that gives none of them gets
         self._embedder, self.embedding_name = embedder, embedding_name
         self.created = int(time.time())
         self._mailbox: _Mailbox | None = None
@@ -334,7 +341,9 @@ class _Server:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not x for x in stop):
             raise APIError(400, "stop should be up to 4 non-empty strings", param="stop")
-        return {"temperature": body.temperature, "top_p": None if body.top_p >= 1 else body.top_p, "top_k": body.top_k, "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "stop": tuple(stop)}
+        out = {key: self.sampling_defaults[key] if getattr(body, key) is None else getattr(body, key) for key in OPENAI_SAMPLING}
+        out["top_p"] = None if out["top_p"] is None or out["top_p"] >= 1 else out["top_p"]
+        return {**out, "stop": tuple(stop)}
 
     def _max_tokens(self, asked: int | None, prompt_len: int, default: int) -> int:
         lim = self.limits
@@ -687,15 +696,25 @@ def check_origins(origins) -> tuple:
     return out
 
 
-def create_app(scheduler, lm, *, model_name: str, limits: Limits = Limits(), api_key: str | None = None, embedder=None, embedding_name: str | None = None, allow_origins=()) -> Starlette:
+def create_app(scheduler, lm, *, model_name: str, limits: Limits = Limits(), api_key: str | None = None, embedder=None, embedding_name: str | None = None, allow_origins=(),
+               sampling_defaults: dict | None = None) -> Starlette:  # fmt: skip
     """The ASGI app of ``qkv serve`` over a started :class:`~.scheduler.Scheduler`.
+
+    ``sampling_defaults``: the sampling of a request that does not set it (``temperature``, ``top_p``,
+    ``top_k``, ``min_p``, ``repetition_penalty``); None: the model's recommendation
+    (``lm.sampling_defaults.values``), and OpenAI's defaults (temperature 1, no top-p) for the rest.
 
     ``embedder``: a callable returning the sentence encoder (called at the first embeddings request).
     ``allow_origins``: web origins whose pages may call the server (:func:`check_origins`); none by default,
     so a page the user happens to open cannot use a server on their machine.
     """
     origins = check_origins(allow_origins)
-    server = _Server(scheduler, lm, model_name, limits, api_key, embedder, embedding_name)
+    if sampling_defaults is None:
+        sampling_defaults = lm.sampling_defaults.values
+    unknown = set(sampling_defaults) - set(OPENAI_SAMPLING)
+    if unknown:
+        raise ValueError(f"sampling_defaults should set only {sorted(OPENAI_SAMPLING)}, got {sorted(unknown)}")
+    server = _Server(scheduler, lm, model_name, limits, api_key, embedder, embedding_name, dict(sampling_defaults))
 
     async def not_found(request, exc):
         return error_response(404, f"no route {request.method} {request.url.path}", code="not_found", kind="not_found_error")

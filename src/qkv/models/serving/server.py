@@ -14,12 +14,15 @@ __all__ = ["build", "start_server", "BackgroundServer"]
 
 
 def build(lm, *, model_name: str, api_key: str | None = None, embedder=None, embedding_name: str | None = None, kv_tokens: int = 16384, page_size: int = 16, max_batch: int = 16,
-          max_waiting: int = 64, prefill_chunk: int = 128, threads: int | None = None, batch_invariant: bool = True, int8_activations: bool = False, seed: int = 0, limits: Limits = Limits(), allow_origins=()):  # fmt: skip
-    """(scheduler, app) for ``lm``; start the scheduler before serving the app (see :func:`start_server`)."""
+          max_waiting: int = 64, prefill_chunk: int = 128, threads: int | None = None, batch_invariant: bool = True, int8_activations: bool = False, seed: int = 0, limits: Limits = Limits(), allow_origins=(),
+          sampling_defaults: dict | None = None):  # fmt: skip
+    """(scheduler, app) for ``lm``; start the scheduler before serving the app (see :func:`start_server`).
+    ``sampling_defaults``: as :func:`~.api.create_app` (None: the model's recommendation)."""
     allow_origins = check_origins(allow_origins)  # before the pool is allocated
     scheduler = Scheduler(lm, num_pages=-(-kv_tokens // page_size), page_size=page_size, max_batch=max_batch, max_waiting=max_waiting, prefill_chunk=prefill_chunk,
                           threads=threads, batch_invariant=batch_invariant, int8_activations=int8_activations, seed=seed)  # fmt: skip
-    return scheduler, create_app(scheduler, lm, model_name=model_name, limits=limits, api_key=api_key, embedder=embedder, embedding_name=embedding_name, allow_origins=allow_origins)
+    return scheduler, create_app(scheduler, lm, model_name=model_name, limits=limits, api_key=api_key, embedder=embedder, embedding_name=embedding_name, allow_origins=allow_origins,
+                                 sampling_defaults=sampling_defaults)  # fmt: skip
 
 
 class BackgroundServer:

@@ -270,20 +270,26 @@ def test_generation_config_ids_bad_words_and_renormalizing_as_transformers_takes
             load_seq2seq_lm(d)
 
 
+def _bart_and_a_common_token(torch, tmp_path, *, seed):
+    """A tiny BART, 8 random sources, and the token (not a special one) its greedy outputs hold most."""
+    model, d = _tiny_bart("bart", torch, tmp_path)
+    rng = np.random.default_rng(seed)
+    sources = [[0] + rng.integers(3, V, size=int(rng.integers(4, 14))).tolist() + [2] for _ in range(8)]
+    plain = load_seq2seq_lm(d)
+    counts = np.bincount(np.concatenate([plain.generate(src, max_new_tokens=12).token_ids for src in sources]), minlength=V)
+    counts[:3] = 0
+    return model, d, sources, int(counts.argmax())
+
+
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_forced_bos_min_length_and_no_repeat_ngram_as_transformers_applies_them(num_beams, torch, tmp_path):
     """BART-large-CNN's config forces BOS first, bans EOS before a minimum length and bans a repeated
     3-gram; transformers' generate applies all three: the same tokens (had been ignored)."""
     import json
 
-    model, d = _tiny_bart("bart", torch, tmp_path)
-    rng = np.random.default_rng(2)
-    sources = [[0] + rng.integers(3, V, size=int(rng.integers(4, 14))).tolist() + [2] for _ in range(8)]
-    before = load_seq2seq_lm(d)
-    common = np.bincount(np.concatenate([before.generate(src, max_new_tokens=12).token_ids for src in sources]), minlength=V)
-    common[:3] = 0
+    model, d, sources, eos = _bart_and_a_common_token(torch, tmp_path, seed=2)
     # EOS made a token the model writes often, so that the minimum length has EOS to hold back
-    fields = {"forced_bos_token_id": 0, "min_length": 9, "no_repeat_ngram_size": 2, "eos_token_id": int(common.argmax())}
+    fields = {"forced_bos_token_id": 0, "min_length": 9, "no_repeat_ngram_size": 2, "eos_token_id": eos}
     gen = json.loads((d / "generation_config.json").read_text())
     (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
     for key, value in fields.items():
@@ -320,13 +326,7 @@ def test_search_settings_and_penalties_follow_the_generation_config(torch, tmp_p
     ignored). Each field, reset alone to its default, changes some outputs."""
     import json
 
-    model, d = _tiny_bart("bart", torch, tmp_path)
-    rng = np.random.default_rng(3)
-    sources = [[0] + rng.integers(3, V, size=int(rng.integers(4, 14))).tolist() + [2] for _ in range(8)]
-    plain = load_seq2seq_lm(d)
-    common = np.bincount(np.concatenate([plain.generate(src, max_new_tokens=12).token_ids for src in sources]), minlength=V)
-    common[:3] = 0
-    eos = int(common.argmax())  # a token the model writes often ends the text: hypotheses end at many lengths, where the length rules matter
+    model, d, sources, eos = _bart_and_a_common_token(torch, tmp_path, seed=3)  # it ends the text: hypotheses end at many lengths, where the length rules matter
     gen = json.loads((d / "generation_config.json").read_text())
     defaults = {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False, "max_length": None, "max_new_tokens": None, "repetition_penalty": 1.0,
                 "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0}  # fmt: skip

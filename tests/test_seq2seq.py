@@ -696,6 +696,10 @@ def test_whisper_length_follows_the_generation_config_as_transformers_takes_it(f
     (d / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 40}))  # past the 40 positions with the prompt: refused, as transformers does
     with pytest.raises(ValueError, match=r"max_new_tokens \(40\) and the decoder's 1 prompt tokens pass this model's 40 positions"):
         load_seq2seq_lm(d).generate(_audio()["sweep"], sampling_rate=16_000)
+    # return_timestamps: transformers' generate would apply its timestamp rules, qkv has none: refused, not run without them
+    (d / "generation_config.json").write_text(json.dumps({**gen, "return_timestamps": True, "no_timestamps_token_id": 15}))
+    with pytest.raises(ValueError, match="sets return_timestamps: true, and qkv's Whisper does not write timestamps"):
+        load_seq2seq_lm(d).generate(_audio()["sweep"], sampling_rate=16_000)
 
 
 def test_whisper_reads_a_wav_and_the_attention_command_draws_it(torch, tmp_path):

@@ -178,6 +178,7 @@ class WhisperLM(Seq2SeqLM):
         # forced_decoder_ids or language/task (None where the language is to be detected), the language
         # tokens to detect it among, and <|notimestamps|>
         self.forced, self.lang_ids, self.no_timestamps = [], (), None
+        self.timestamps = False  # the generation config's return_timestamps
 
     def read_generation(self, get, vocab_size: int) -> None:
         """The prompt rules of a Whisper generation config (``get``: a FieldReader over it), as
@@ -188,7 +189,8 @@ class WhisperLM(Seq2SeqLM):
         c, source = get.config, get.source
         lang_to_id, task_to_id = get.object("lang_to_id"), get.object("task_to_id")
         self.lang_ids = tuple(lang_to_id.token_id(k, vocab_size) for k in lang_to_id.config)
-        self.no_timestamps = None if get("return_timestamps", bool, False) else get.token_id("no_timestamps_token_id", vocab_size)
+        self.timestamps = get("return_timestamps", bool, False)
+        self.no_timestamps = None if self.timestamps else get.token_id("no_timestamps_token_id", vocab_size)
         language, task = get("language", str, None), get("task", str, None)
         forced = []
         if language is None and task is None:
@@ -272,6 +274,9 @@ class WhisperLM(Seq2SeqLM):
     def generate(self, source, max_new_tokens: int | None = None, *, sampling_rate: int | None = None, **options):
         """Greedy or beam search (as :meth:`Seq2SeqLM.generate`) for audio (with ``sampling_rate``) or
         log-mel features; the tokens after the decoder's start token."""
+        if self.timestamps:  # transformers' generate would then apply its timestamp rules, which qkv does not: refused, not run without them
+            raise ValueError("this model's generation config sets return_timestamps: true, and qkv's Whisper does not write timestamps "
+                             "(transformers' timestamp rules are not implemented); set it to false to transcribe without them")  # fmt: skip
         feats = self.features(source, sampling_rate=sampling_rate) if sampling_rate is not None else source
         return super().generate(feats, max_new_tokens, **options)
 

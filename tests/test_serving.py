@@ -582,3 +582,6 @@ def test_a_request_that_sets_no_sampling_gets_the_models_recommendation(torch, t
     with start_server(lm, model_name="m", kv_tokens=512, sampling_defaults={}) as srv:
         assert post(srv.port, {}) == text(temperature=1.0)
     assert len({recommended, text(temperature=1.0), text(temperature=0, repetition_penalty=1.4)}) == 3  # the comparisons tell the settings apart
+    for bad, match in (({"temperature": -1.0}, "temperature should be a finite number >= 0"), ({"top_k": 0}, "top_k should be an integer >= 1"), ({"seed": 3}, "should set only")):
+        with pytest.raises(ValueError, match=match):
+            start_server(lm, model_name="m", kv_tokens=512, sampling_defaults=bad)

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engines.sampling import MAX_PENALTY
+from ..engines.sampling import MAX_PENALTY, check_penalty, check_sampling
 from .http import READ_TIMEOUT
 from .scheduler import Closed, Request
 
@@ -305,7 +305,7 @@ async def _after(first, gen):
 class _Server:
     def __init__(self, scheduler, lm, model_name: str, limits: Limits, api_key: str | None, embedder, embedding_name: str | None, sampling_defaults: dict):
         self.scheduler, self.lm, self.model_name, self.limits, self.api_key = scheduler, lm, model_name, limits, api_key
-        self.sampling_defaults = {**OPENAI_SAMPLING, **sampling_defaults}  # what a request that gives none of them gets
+        self.sampling_defaults = sampling_defaults  # what a request that sets none of them gets
         self._embedder, self.embedding_name = embedder, embedding_name
         self.created = int(time.time())
         self._mailbox: _Mailbox | None = None
@@ -696,6 +696,19 @@ def check_origins(origins) -> tuple:
     return out
 
 
+def check_sampling_defaults(lm, sampling_defaults: dict | None) -> dict:
+    """The sampling of a request that sets none, checked as generate checks each option: ``sampling_defaults``
+    (None: ``lm``'s recommendation) over OpenAI's defaults."""
+    given = lm.sampling_defaults.values if sampling_defaults is None else sampling_defaults
+    unknown = set(given) - set(OPENAI_SAMPLING)
+    if unknown:
+        raise ValueError(f"sampling_defaults should set only {sorted(OPENAI_SAMPLING)}, got {sorted(unknown)}")
+    d = {**OPENAI_SAMPLING, **given}
+    check_sampling(0, d["temperature"], d["top_k"], d["top_p"])
+    check_penalty(d["repetition_penalty"], d["min_p"])
+    return d
+
+
 def create_app(scheduler, lm, *, model_name: str, limits: Limits = Limits(), api_key: str | None = None, embedder=None, embedding_name: str | None = None, allow_origins=(),
                sampling_defaults: dict | None = None) -> Starlette:  # fmt: skip
     """The ASGI app of ``qkv serve`` over a started :class:`~.scheduler.Scheduler`.
@@ -709,12 +722,7 @@ def create_app(scheduler, lm, *, model_name: str, limits: Limits = Limits(), api
     so a page the user happens to open cannot use a server on their machine.
     """
     origins = check_origins(allow_origins)
-    if sampling_defaults is None:
-        sampling_defaults = lm.sampling_defaults.values
-    unknown = set(sampling_defaults) - set(OPENAI_SAMPLING)
-    if unknown:
-        raise ValueError(f"sampling_defaults should set only {sorted(OPENAI_SAMPLING)}, got {sorted(unknown)}")
-    server = _Server(scheduler, lm, model_name, limits, api_key, embedder, embedding_name, dict(sampling_defaults))
+    server = _Server(scheduler, lm, model_name, limits, api_key, embedder, embedding_name, check_sampling_defaults(lm, sampling_defaults))
 
     async def not_found(request, exc):
         return error_response(404, f"no route {request.method} {request.url.path}", code="not_found", kind="not_found_error")

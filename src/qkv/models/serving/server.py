@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .api import Limits, check_origins, create_app
+from .api import Limits, check_origins, check_sampling_defaults, create_app
 from .http import MAX_CONNECTIONS, config, server
 from .scheduler import Scheduler
 
@@ -19,6 +19,7 @@ def build(lm, *, model_name: str, api_key: str | None = None, embedder=None, emb
     """(scheduler, app) for ``lm``; start the scheduler before serving the app (see :func:`start_server`).
     ``sampling_defaults``: as :func:`~.api.create_app` (None: the model's recommendation)."""
     allow_origins = check_origins(allow_origins)  # before the pool is allocated
+    check_sampling_defaults(lm, sampling_defaults)
     scheduler = Scheduler(lm, num_pages=-(-kv_tokens // page_size), page_size=page_size, max_batch=max_batch, max_waiting=max_waiting, prefill_chunk=prefill_chunk,
                           threads=threads, batch_invariant=batch_invariant, int8_activations=int8_activations, seed=seed)  # fmt: skip
     return scheduler, create_app(scheduler, lm, model_name=model_name, limits=limits, api_key=api_key, embedder=embedder, embedding_name=embedding_name, allow_origins=allow_origins,

@@ -658,6 +658,17 @@ def test_a_generation_configs_recommended_sampling_is_read_as_vllm_takes_it(torc
     got = load_causal_lm(d).sampling_defaults
     assert got.values == {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}, got
     assert got.ignored == ("no_repeat_ngram_size=3",) and got.source == str(d / "generation_config.json")
+    # qkv generate stays greedy unless told, and says what the files recommend when it is
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "qkv", "generate", "w5 w9 w17", "--model", str(d), "--max-new-tokens", "2", *args], capture_output=True, text=True, timeout=300)
+
+    r = run()
+    assert r.returncode == 0 and "files recommend sampling with temperature 0.7, top_k 20, top_p 0.8, repetition_penalty 1.05" in r.stderr and "this run is greedy" in r.stderr, r.stderr
+    r = run("--temperature", "0.7", "--seed", "1")
+    assert r.returncode == 0 and "recommend" not in r.stderr, r.stderr
     (d / "generation_config.json").write_text(json.dumps({**gen, "top_k": 0, "top_p": 1.0}))  # transformers' "none"
     assert load_causal_lm(d).sampling_defaults.values == {}
     for bad, match in (({"temperature": -1}, "'temperature' should be >= 0"), ({"top_k": 2.5}, "'top_k' should be a whole number"),

@@ -96,6 +96,14 @@ def _closing_line(out) -> str:
     return f"[{t['new_tokens']} tokens, stop: {out.stop_reason}; prefill {t['prompt_tokens']} prompt tokens in {t['prefill_s']:.2f} s{rate}{compiled}]"
 
 
+def _recommendation_note(lm, args) -> None:
+    """A greedy run of a model whose files recommend a sampling: say so, once, on stderr (qkv serve follows
+    the recommendation; generate is greedy unless told)."""
+    if args.temperature == 0 and lm.sampling_defaults.values:
+        print(f"qkv: note: {lm.name}'s files recommend sampling with {lm.sampling_defaults.describe()}; this run is greedy "
+              "(--temperature and the options of those names follow them)", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def _base_model_note(lm) -> None:
     """Chatting with a base model: say what to expect, once, on stderr."""
     if lm.instruction_tuned is False:
@@ -171,6 +179,7 @@ def _activations(args):
 def _generate(args, prompt: str, options: dict) -> int:
     lm = _load(args.model, "decoder")
     stream = None if args.json else _Stream(lm.tokenizer, options["stop"], head="" if args.chat else prompt)
+    _recommendation_note(lm, args)
     if args.chat:
         _chat_model(lm)
         _base_model_note(lm)
@@ -197,6 +206,7 @@ def _chat(args, options: dict) -> int:
     lm = _load(args.model, "decoder")
     _chat_model(lm)
     _base_model_note(lm)
+    _recommendation_note(lm, args)
     interactive = sys.stdin is not None and sys.stdin.isatty()
     history = [{"role": "system", "content": _text(args.system, "--system")}] if args.system is not None else []
     if interactive:

@@ -501,24 +501,42 @@ def test_log_mel_equals_whisper_feature_extractor(kind):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
+def test_log_mel_of_long_audio_is_the_feature_extractors_unpadded():
+    """Past 30 s the spectrogram is the whole recording's, as WhisperFeatureExtractor gives it with
+    truncation=False and padding="longest" (long-form transcription), loudness clipped against its loudest frame."""
+    from transformers import WhisperFeatureExtractor
+
+    from qkv.models.families.whisper import log_mel_spectrogram
+
+    rng = np.random.default_rng(0)
+    t = np.arange(16_000 * 47 + 123) / 16_000
+    audio = np.sin(2 * np.pi * (200 + 40 * t) * t) * np.where(t < 20, 0.05, 0.8) + rng.normal(0, 0.01, t.size)  # loud only after 20 s
+    fe = WhisperFeatureExtractor()
+    want = fe(audio, sampling_rate=16_000, truncation=False, padding="longest", return_tensors="np", device="cpu").input_features[0]
+    got = log_mel_spectrogram(audio, sampling_rate=16_000)
+    assert got.shape == want.shape == (80, audio.size // 160) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=6e-5, rtol=0)
+    np.testing.assert_allclose(got, fe._np_extract_fbank_features(audio[None], "cpu")[0], atol=1e-5, rtol=0)
+
+
 def test_log_mel_refuses_what_whisper_cannot_hear():
     from qkv.models.families.whisper import log_mel_spectrogram
 
     with pytest.raises(ValueError, match="sampling_rate should be 16000 .*resample it first.*got 44100"):
         log_mel_spectrogram(np.zeros(44_100), sampling_rate=44_100)
-    with pytest.raises(ValueError, match="audio is 31.0 s, longer than Whisper's 30 s window"):
-        log_mel_spectrogram(np.zeros(16_000 * 31), sampling_rate=16_000)
+    with pytest.raises(ValueError, match="audio is 14,400.0 s, longer than the 14,400 s qkv transcribes at once"):  # a view: refused before any allocation
+        log_mel_spectrogram(np.broadcast_to(np.float32(0), (16_000 * 4 * 3600 + 1,)), sampling_rate=16_000)
     with pytest.raises(ValueError, match="audio should be 1-D samples"):
         log_mel_spectrogram(np.zeros((2, 16_000)), sampling_rate=16_000)
     with pytest.raises(ValueError, match="audio should be finite"):
         log_mel_spectrogram(np.array([0.0, np.nan]), sampling_rate=16_000)
 
 
-def _tiny_whisper(torch, tmp_path, gain=6.0, spread=1.0):
+def _tiny_whisper(torch, tmp_path, gain=6.0, spread=1.0, vocab_size=V, positions=40):
     import transformers as tf
 
-    cfg = tf.WhisperConfig(vocab_size=V, num_mel_bins=80, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                           encoder_ffn_dim=48, decoder_ffn_dim=48, max_source_positions=1500, max_target_positions=40, decoder_start_token_id=3,
+    cfg = tf.WhisperConfig(vocab_size=vocab_size, num_mel_bins=80, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=48, decoder_ffn_dim=48, max_source_positions=1500, max_target_positions=positions, decoder_start_token_id=3,
                            eos_token_id=2, pad_token_id=0, bos_token_id=3, suppress_tokens=None, begin_suppress_tokens=None)  # fmt: skip
     torch.manual_seed(0)
     model = tf.WhisperForConditionalGeneration._from_config(cfg, attn_implementation="eager").float().eval()
@@ -696,10 +714,98 @@ def test_whisper_length_follows_the_generation_config_as_transformers_takes_it(f
     (d / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 40}))  # past the 40 positions with the prompt: refused, as transformers does
     with pytest.raises(ValueError, match=r"max_new_tokens \(40\) and the decoder's 1 prompt tokens pass this model's 40 positions"):
         load_seq2seq_lm(d).generate(_audio()["sweep"], sampling_rate=16_000)
-    # return_timestamps: transformers' generate would apply its timestamp rules, qkv has none: refused, not run without them
-    (d / "generation_config.json").write_text(json.dumps({**gen, "return_timestamps": True, "no_timestamps_token_id": 15}))
-    with pytest.raises(ValueError, match="sets return_timestamps: true, and qkv's Whisper does not write timestamps"):
-        load_seq2seq_lm(d).generate(_audio()["sweep"], sampling_rate=16_000)
+
+
+def _long_audio(seconds: int = 47):
+    """A rising tone, quiet for 20 s, then loud, in a little noise."""
+    rng = np.random.default_rng(0)
+    t = np.arange(16_000 * seconds) / 16_000
+    return np.sin(2 * np.pi * (200 + 40 * t) * t) * np.where(t < 20, 0.05, 0.8) + rng.normal(0, 0.01, t.size)
+
+
+def _timestamped_whisper(torch, tmp_path, vocab_size, **fields):
+    """A tiny Whisper whose timestamp tokens start at 100 (<|0.00|>): a window moves by at most (vocab_size -
+    100) x 0.02 s, so a recording takes several; EOS (40) after the text tokens, as in Whisper's vocabulary."""
+    import json
+
+    model, d = _tiny_whisper(torch, tmp_path, vocab_size=vocab_size)
+    fields = {"lang_to_id": {"<|en|>": 41, "<|fr|>": 42}, "task_to_id": {"transcribe": 43, "translate": 44}, "no_timestamps_token_id": 99, "is_multilingual": True,
+              "eos_token_id": 40, "max_initial_timestamp_index": 5, **fields}  # fmt: skip
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, **fields}))
+    for key, value in fields.items():
+        setattr(model.generation_config, key, value)
+    return model, d
+
+
+@pytest.mark.parametrize("vocab_size, language, num_beams", [(400, None, 1), (400, None, 3), (200, "en", 1)])
+def test_whisper_timestamps_and_long_audio_as_transformers_transcribes_them(vocab_size, language, num_beams, torch, tmp_path):
+    """With timestamps (asked for, or past 30 s of audio) transformers' Whisper generate decodes 30 s windows
+    one after another: each window's text is cut into timed segments at its pairs of timestamps, and the next
+    window starts at the last pair (past this window after a single closing timestamp). qkv gives the same
+    tokens and the same segments (start, end, tokens) for 30 s and for 47 s of audio, greedy and by beam
+    search, the language detected once from the first window or given. (qkv had refused both.)"""
+    import json
+
+    model, d = _timestamped_whisper(torch, tmp_path, vocab_size, **({"language": language, "task": "transcribe"} if language else {}))
+    lm = load_seq2seq_lm(d)
+    for name, audio in (("30 s", _audio()["full 30 s"]), ("47 s", _long_audio())):
+        feats = lm.features(audio, sampling_rate=16_000)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor(feats), max_new_tokens=16, return_timestamps=True, num_beams=num_beams, return_segments=True)
+        out = lm.generate(audio, sampling_rate=16_000, max_new_tokens=16, num_beams=num_beams, return_timestamps=True if name == "30 s" else None)  # past 30 s: always
+        seq = ref["sequences"][0].tolist()
+        assert seq[: len(out.token_ids)] == out.token_ids and all(t == 0 for t in seq[len(out.token_ids) :]), (name, out.token_ids, seq)
+        want = [(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in ref["segments"][0]]
+        assert [(s["start"], s["end"], s["token_ids"]) for s in out.segments] == want, name
+        assert out.timings["windows"] >= 2 and out.prompt_ids[1] in (41, 42) and 99 not in out.prompt_ids  # (no <|notimestamps|>)
+        assert name == "30 s" or max(s["start"] for s in out.segments) > 30  # the windows went on to the end
+    with pytest.raises(ValueError, match=r"the features are 4700 frames, past Whisper's 3000 \(30 s\): transcribing them needs timestamps"):
+        lm.generate(_long_audio(), sampling_rate=16_000, return_timestamps=False)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "logprob_threshold": -1.0}))  # a long-form rule transformers would apply: refused, not dropped
+    with pytest.raises(ModelError, match="field 'logprob_threshold' .* asks transformers' Whisper generate for a rule qkv does not apply"):
+        load_seq2seq_lm(d)
+
+
+def test_whisper_generate_command_transcribes_a_long_recording_in_timed_segments(torch, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    import wave
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, d = _timestamped_whisper(torch, tmp_path, 400)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    audio = _long_audio()
+    with wave.open(str(tmp_path / "long.wav"), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(16_000)
+        f.writeframes(np.round(np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
+    from qkv.models.families.whisper import read_wav
+
+    want = load_seq2seq_lm(d).generate(read_wav(tmp_path / "long.wav")[0], sampling_rate=16_000, max_new_tokens=16)
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, timeout=300, env=env)
+
+    r = run("generate", str(tmp_path / "long.wav"), "--model", str(d), "--max-new-tokens", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["token_ids"] == want.token_ids and got["segments"] == want.segments and len(want.segments) >= 3
+    r = run("generate", str(tmp_path / "long.wav"), "--model", str(d), "--max-new-tokens", "16")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == len(want.segments) and lines[0].startswith(f"[{want.segments[0]['start']:7.2f} -> {want.segments[0]['end']:7.2f}]"), r.stdout
+    r = run("attention", str(tmp_path / "long.wav"), "--model", str(d), "--out", str(tmp_path / "a"))
+    assert r.returncode != 0 and "long.wav is 47.0 s: qkv attention draws one 30 s window of a recording" in r.stderr, r.stderr
+    r = run("generate", "hi", "--timestamps")  # the default causal LM
+    assert r.returncode == 2 and "--timestamps: only a Whisper --model writes timestamps" in r.stderr
 
 
 def test_whisper_reads_a_wav_and_the_attention_command_draws_it(torch, tmp_path):

@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--early-stopping", nargs="?", const=True, type=early_stopping_option, metavar="WHEN",
                      help="with beam search: true (or no value): stop as soon as N beams have finished; false: once no running beam can beat them at its "
                           "length; never: nor at the longest length (default: the generation config's, else false)")  # fmt: skip
+    gen.add_argument("--timestamps", action="store_true", help="with a Whisper --model: timestamps, a line a timed segment (always on past 30 s of audio, which is transcribed 30 s window after window)")
     gen.add_argument("--json", action="store_true", help="print JSON: prompt, text, token ids, timings (no streaming)")
     gen.set_defaults(func=cmd_generate)
 

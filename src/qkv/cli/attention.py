@@ -41,6 +41,8 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
     n_layers = lm.config.encoder_layers if kind == "encoder" else lm.config.decoder_layers
     _check_layer_head(args, n_layers, lm.config.num_heads)  # before any work: decoding takes a while
     src = _seq2seq_source(lm, args.text, "TEXT")
+    if lm.config.family == "whisper" and src.shape[-1] > 3000:  # the encoder hears 30 s: one window's attention is drawn
+        raise CLIError(f"{args.text} is {src.shape[-1] / 100:.1f} s: qkv attention draws one 30 s window of a recording; cut it (qkv generate transcribes it whole)")
     source_tokens = [f"{t * 0.02:.2f}s" for t in range(1500)] if lm.config.family == "whisper" else None  # an encoder position is 20 ms of audio
     if args.target is None and kind == "encoder":  # the encoder's attention needs no target
         tgt = []

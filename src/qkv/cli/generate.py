@@ -124,21 +124,33 @@ def _generate_seq2seq(args, prompt: str) -> int:
         raise CLIError(f"{', '.join(given)}: not for an encoder-decoder --model, which decodes greedily or by beam search (--num-beams, --length-penalty, --early-stopping)")
     lm = _load_seq2seq(args.model, "generate")
     src = _seq2seq_source(lm, prompt, "SOURCE")
+    whisper = lm.config.family == "whisper"
+    if args.timestamps and not whisper:
+        raise CLIError("--timestamps: only Whisper writes timestamps")
     # An option not given is the checkpoint's (its generation config's), as in Seq2SeqLM.generate
-    out = lm.generate(src, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=args.early_stopping)
+    options = dict(num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=args.early_stopping, **({"return_timestamps": True} if args.timestamps else {}))
+    out = lm.generate(src, max_new_tokens=args.max_new_tokens, **options)
     beams = lm.config.num_beams if args.num_beams is None else args.num_beams
     if args.json:
-        print(json.dumps({"model": str(args.model), "source": prompt, "num_beams": beams, "text": out.text, "token_ids": out.token_ids, "source_ids": out.source_ids, "stop_reason": out.stop_reason, "score": out.score, "timings": out.timings}))
+        print(json.dumps({"model": str(args.model), "source": prompt, "num_beams": beams, "text": out.text, "token_ids": out.token_ids, "source_ids": out.source_ids, "stop_reason": out.stop_reason, "score": out.score,
+                          "timings": out.timings, **({"segments": out.segments} if out.segments is not None else {})}))  # fmt: skip
         return 0
-    print(out.text)
-    how = "greedy" if beams == 1 else f"{beams} beams, score {out.score:.3f}"
-    print(f"[{out.timings['new_tokens']} tokens, stop: {out.stop_reason}; {how}; {out.timings['seconds']:.2f} s]", file=sys.stderr)
+    if out.segments is not None:  # Whisper with timestamps: a line a segment, timed in seconds
+        for seg in out.segments:
+            print(f"[{seg['start']:7.2f} -> {seg['end']:7.2f}] {seg['text'].strip()}")
+    else:
+        print(out.text)
+    how = "greedy" if beams == 1 else f"{beams} beams" + ("" if out.segments is not None else f", score {out.score:.3f}")
+    windows = f"; {out.timings['windows']} windows of 30 s" if "windows" in out.timings else ""
+    print(f"[{out.timings['new_tokens']} tokens, stop: {out.stop_reason}; {how}{windows}; {out.timings['seconds']:.2f} s]", file=sys.stderr)
     return 0
 
 
 def cmd_generate(args) -> int:
     seq2seq = _is_seq2seq(args.model)
     beam_flags = [f for f, on in (("--num-beams", args.num_beams is not None), ("--length-penalty", args.length_penalty is not None), ("--early-stopping", args.early_stopping is not None)) if on]
+    if args.timestamps and not seq2seq:
+        raise CLIError("--timestamps: only a Whisper --model writes timestamps")
     if beam_flags and not seq2seq:
         raise CLIError(f"{', '.join(beam_flags)}: beam search is for an encoder-decoder --model (a T5, BART, Marian or Whisper directory); a causal LM decodes greedily or samples (--temperature)")
     options = _sampling(args)

@@ -203,6 +203,7 @@ class Seq2SeqGenerateOutput:
     score: float | None = None  # beam search: the chosen hypothesis' length-normalised log-probability
     timings: dict = field(default_factory=dict)
     prompt_ids: list = field(default_factory=list)  # what the decoder started from (the start token; Whisper's forced tokens after it)
+    segments: list | None = None  # Whisper with timestamps: [{"start": s, "end": s, "text": ..., "token_ids": [...]}], seconds into the audio
 
 
 @dataclass
@@ -473,7 +474,7 @@ class Seq2SeqLM:
 
     # ------------------------------------------------------------------ generation
     def generate(self, source, max_new_tokens: int | None = None, *, num_beams: int | None = None, length_penalty: float | None = None,
-                 early_stopping: bool | str | None = None) -> Seq2SeqGenerateOutput:  # fmt: skip
+                 early_stopping: bool | str | None = None, return_timestamps: bool | None = None) -> Seq2SeqGenerateOutput:  # fmt: skip
         """The target for ``source`` (text or token ids): greedy, or beam search with ``num_beams`` > 1.
 
         Beam search follows transformers' ``generate``: at each step the ``2 num_beams`` best continuations
@@ -487,33 +488,44 @@ class Seq2SeqLM:
         An option left as None is the checkpoint's (its generation config's, as transformers' ``generate``
         takes it; :class:`Seq2SeqConfig`): beams 1, length penalty 1 and ``early_stopping`` False where it
         says nothing, and for the length its ``max_new_tokens``, else its ``max_length`` less the decoder's
-        prompt, else :data:`DEFAULT_MAX_NEW_TOKENS`.
+        prompt, else :data:`DEFAULT_MAX_NEW_TOKENS`. ``return_timestamps``: Whisper's (its own ``generate``).
         """
-        from ..._checks import check_int
-
         c = self.config
-        num_beams = check_beams(c.num_beams if num_beams is None else num_beams)
-        length_penalty = check_length_penalty(c.length_penalty if length_penalty is None else length_penalty)
-        early_stopping = check_early_stopping(c.early_stopping if early_stopping is None else early_stopping)
-        if max_new_tokens is not None:
-            max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
-        eos = self.config.eos_token_id
+        max_new_tokens, search = self._options(max_new_tokens, num_beams, length_penalty, early_stopping)
+        timestamps = self._timestamps(return_timestamps)
         src = self._source(source)
         if len(src) != 1:
             raise ValueError(f"source should be one sequence, got a batch of {len(src)}")
-        t0 = time.perf_counter()
-        hidden = self.encode(src)
-        prompt = self.decoder_prompt(hidden)  # the decoder start token, and what the model's generation config forces after it
-        if max_new_tokens is None:
-            max_new_tokens = self._default_length(len(prompt))
         source_ids = src[0].tolist() if src.dtype.kind in "iu" else None  # audio features have no ids
         if source_ids is None and (c.encoder_no_repeat_ngram_size or c.encoder_repetition_penalty != 1.0):
             raise ValueError("this model's generation config sets encoder_no_repeat_ngram_size or encoder_repetition_penalty, which are rules over the source's token ids; its source here has none")
+        t0 = time.perf_counter()
+        hidden = self.encode(src)
+        prompt = self.decoder_prompt(hidden, timestamps=timestamps)  # the decoder start token, and what the model's generation config forces after it
+        new, score, reason = self._search(hidden, prompt, source_ids, max_new_tokens, *search, timestamps)
+        text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
+        return Seq2SeqGenerateOutput(text, new, source_ids or [], reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)}, prompt)
+
+    def _options(self, max_new_tokens, num_beams, length_penalty, early_stopping):
+        """``(max_new_tokens or None, (num_beams, length_penalty, early_stopping))``: the caller's, checked, or the config's."""
+        from ..._checks import check_int
+
+        c = self.config
+        if max_new_tokens is not None:
+            max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
+        return max_new_tokens, (check_beams(c.num_beams if num_beams is None else num_beams), check_length_penalty(c.length_penalty if length_penalty is None else length_penalty),
+                                check_early_stopping(c.early_stopping if early_stopping is None else early_stopping))  # fmt: skip
+
+    def _search(self, hidden, prompt, source_ids, max_new_tokens, num_beams, length_penalty, early_stopping, timestamps):
+        """(new tokens, beam score or None, stop reason) for one source's encoder output ``hidden`` (1, S, E)."""
+        eos = self.config.eos_token_id
+        if max_new_tokens is None:
+            max_new_tokens = self._default_length(len(prompt))
         if num_beams == 1:
             cache = self.new_cache(hidden)
             feed, new, reason = [prompt], [], "length"
             while len(new) < max_new_tokens:
-                tok = int(self._constrain(self.decode(feed, cache)[:, -1], prompt, [new], max_new_tokens, source_ids)[0].argmax())
+                tok = int(self._constrain(self.decode(feed, cache)[:, -1], prompt, [new], max_new_tokens, source_ids, timestamps)[0].argmax())
                 new.append(tok)
                 feed = [[tok]]
                 if tok == eos:
@@ -521,9 +533,14 @@ class Seq2SeqLM:
                     break
             score = None
         else:
-            new, score, reason = self._beam_search(hidden, prompt, source_ids, max_new_tokens, num_beams, length_penalty, early_stopping)
-        text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
-        return Seq2SeqGenerateOutput(text, new, source_ids or [], reason, score, {"seconds": time.perf_counter() - t0, "new_tokens": len(new)}, prompt)
+            new, score, reason = self._beam_search(hidden, prompt, source_ids, max_new_tokens, num_beams, length_penalty, early_stopping, timestamps)
+        return new, score, reason
+
+    def _timestamps(self, return_timestamps) -> bool:
+        """Whether this call writes timestamps: only Whisper does (its override)."""
+        if return_timestamps:
+            raise ValueError(f"return_timestamps is for Whisper; a {self.config.family} model writes no timestamps")
+        return False
 
     def read_generation(self, get, vocab_size: int) -> None:
         """Read what this model takes from its generation config (``get``: a FieldReader over it); the
@@ -541,11 +558,11 @@ class Seq2SeqLM:
             raise ValueError(f"the generation config's max_length ({c.max_length}) leaves no room after the decoder's {prompt_length} prompt tokens: pass max_new_tokens")
         return c.max_length - prompt_length
 
-    def decoder_prompt(self, hidden) -> list:  # (1, S, E) encoder output -> token ids
+    def decoder_prompt(self, hidden, *, timestamps: bool = False) -> list:  # (1, S, E) encoder output -> token ids
         """The tokens the decoder starts from: the start token (Whisper adds what its generation config forces)."""
         return [self.config.decoder_start_token_id]
 
-    def _constrain(self, scores: np.ndarray, prompt: list, news: list, max_new_tokens: int, source_ids) -> np.ndarray:  # (k, V) -> (k, V)
+    def _constrain(self, scores: np.ndarray, prompt: list, news: list, max_new_tokens: int, source_ids, timestamps: bool = False) -> np.ndarray:  # (k, V) -> (k, V)
         """The next token's scores of each row (``news``: its new tokens so far, after ``prompt``; the source's
         token ids, or None for audio) with what the generation config rules out set to -inf, or what it
         forces made the only choice; a copy.
@@ -592,7 +609,7 @@ class Seq2SeqLM:
             source = tokenizer_call(self.tokenizer.backend.encode, source).ids  # the file's own special tokens (T5: text </s>; BART: <s> text </s>)
         return self._ids(source, "source")
 
-    def _beam_search(self, hidden, prompt, source_ids, max_new_tokens, k, length_penalty, early_stopping):
+    def _beam_search(self, hidden, prompt, source_ids, max_new_tokens, k, length_penalty, early_stopping, timestamps):
         eos = self.config.eos_token_id
         # One row a beam in the self-attention cache; the cross-attention's keys and values are the
         # source's, the same for every beam: computed once, (1, H, S, D), broadcast over the beams.
@@ -608,7 +625,7 @@ class Seq2SeqLM:
             logits = self.decode(feed, cache)[:, -1].astype(np.float32)  # (k, V)
             logp = logits - logits.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))  # log-softmax
-            logp = self._constrain(logp, prompt, running, max_new_tokens, source_ids)  # after the softmax, as transformers' beam search applies them
+            logp = self._constrain(logp, prompt, running, max_new_tokens, source_ids, timestamps)  # after the softmax, as transformers' beam search applies them
             if self.config.renormalize_logits:  # transformers' LogitNormalization, after every other processor
                 logp = logp - logsumexp(logp, keepdims=True)
             total = (logp + run_scores[:, None]).ravel()  # (k V,)

@@ -14,18 +14,23 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from ...softmax import logsumexp
 from ..errors import ModelError
 from ..formats.files import FieldReader
 from ..engines.functional import ACTIVATIONS
 from . import bart
-from ..engines.seq2seq import DEFAULT_MAX_NEW_TOKENS, Seq2SeqConfig, Seq2SeqLM, Seq2SeqWeights
+from ..engines.seq2seq import DEFAULT_MAX_NEW_TOKENS, Seq2SeqConfig, Seq2SeqGenerateOutput, Seq2SeqLM, Seq2SeqWeights
 
-__all__ = ["SAMPLING_RATE", "CHUNK_SECONDS", "mel_filters", "log_mel_spectrogram", "read_wav", "WhisperLM", "config_from_hf", "weights_from_hf"]
+__all__ = ["SAMPLING_RATE", "CHUNK_SECONDS", "TIME_PRECISION", "MAX_SECONDS", "mel_filters", "log_mel_spectrogram", "read_wav", "WhisperLM", "config_from_hf", "weights_from_hf"]
 
 SAMPLING_RATE = 16_000  #: samples a second Whisper was trained on
 CHUNK_SECONDS = 30  #: the encoder hears 30 s at a time
+TIME_PRECISION = 0.02  #: seconds from one timestamp token to the next (<|0.00|>, <|0.02|>, ...)
+MAX_SECONDS = 4 * 3600  #: the longest audio transcribed at once (its features: 80 x 1.44 M float32, 461 MB)
 N_FFT, HOP = 400, 160  #: 25 ms windows every 10 ms
 FRAMES = CHUNK_SECONDS * SAMPLING_RATE // HOP  #: 3,000 spectrogram frames
 
@@ -79,8 +84,13 @@ def mel_filters(n_mels: int = 80, *, n_fft: int = N_FFT, sampling_rate: int = SA
     return np.maximum(0.0, np.minimum(down, up)) * (2.0 / (edges[2:] - edges[:-2]))[None, :]
 
 
-def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.ndarray:  # (samples,) -> (n_mels, 3000)
-    """Whisper's input: the log-mel spectrogram of up to 30 s of mono audio at 16 kHz, zero-padded to 30 s.
+def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.ndarray:  # (samples,) -> (n_mels, frames)
+    """Whisper's input: the log-mel spectrogram of mono audio at 16 kHz, a frame every 10 ms.
+
+    Up to 30 s, zero-padded to 30 s: (n_mels, 3000), as transformers' ``WhisperFeatureExtractor`` gives it
+    by default. Longer audio (up to :data:`MAX_SECONDS`), whole: (n_mels, samples // 160), as the
+    extractor gives it with ``truncation=False, padding="longest"`` for long-form transcription (the
+    loudness is clipped at 80 dB below the loudest frame of the whole recording).
 
     Computed in float64 and returned as float32 (transformers' NumPy path stores the FFT in complex64;
     the two agree to about 1e-7).
@@ -88,8 +98,8 @@ def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.nd
     Raises
     ------
     ValueError
-        Another sampling rate (Whisper hears 16 kHz: resample first), more than 30 s (cut it into
-        pieces), audio that is not 1-D or not finite.
+        Another sampling rate (Whisper hears 16 kHz: resample first), more than :data:`MAX_SECONDS`,
+        audio that is not 1-D or not finite.
 
     Examples
     --------
@@ -97,6 +107,8 @@ def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.nd
     >>> x = log_mel_spectrogram(np.sin(2 * np.pi * 440 * t), sampling_rate=16_000)
     >>> x.shape, x.dtype
     ((80, 3000), dtype('float32'))
+    >>> log_mel_spectrogram(np.zeros(16_000 * 45), sampling_rate=16_000).shape  # 45 s: whole
+    (80, 4500)
     """
     if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)):
         raise TypeError(f"sampling_rate should be an int (samples a second), got {type(sampling_rate).__name__}")
@@ -105,20 +117,23 @@ def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.nd
     a = np.asarray(audio)
     if a.dtype.kind not in "fiu" or a.ndim != 1:
         raise ValueError(f"audio should be 1-D samples (mono), got dtype {a.dtype} and shape {a.shape}")
+    if a.size > SAMPLING_RATE * MAX_SECONDS:  # bounded before anything is allocated for it
+        raise ValueError(f"audio is {a.size / SAMPLING_RATE:,.1f} s, longer than the {MAX_SECONDS:,} s qkv transcribes at once: cut it into pieces")
     n = SAMPLING_RATE * CHUNK_SECONDS
-    if a.size > n:
-        raise ValueError(f"audio is {a.size / SAMPLING_RATE:.1f} s, longer than Whisper's {CHUNK_SECONDS} s window: cut it into pieces of at most {n} samples")
-    a = a.astype(np.float64)
-    if not np.isfinite(a).all():
-        raise ValueError("audio should be finite (it has NaN or inf samples)")
-    x = np.zeros(n)
+    x = np.zeros(max(n, a.size))  # up to 30 s: padded to 30 s
     x[: a.size] = a
+    if not np.isfinite(x).all():
+        raise ValueError("audio should be finite (it has NaN or inf samples)")
     x = np.pad(x, N_FFT // 2, mode="reflect")  # centred frames
-    frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP]  # (3001, 400)
+    frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP]  # (F + 1, 400): a view
     window = np.hanning(N_FFT + 1)[:-1]  # periodic Hann
-    power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2  # (3001, 201)
-    mel = np.maximum(mel_filters(n_mels).T @ power.T, 1e-10)  # (n_mels, 3001)
-    log = np.log10(mel)[:, :-1]  # (n_mels, 3000): the last frame is dropped, as Whisper does
+    filters = mel_filters(n_mels).T  # (n_mels, 201)
+    count = len(frames) - 1  # the last frame is dropped, as Whisper does
+    log = np.empty((n_mels, count), np.float64 if count <= FRAMES else np.float32)
+    for lo in range(0, count, FRAMES):  # 30 s of frames at a time: a long recording's spectra are never all in memory
+        hi = min(lo + FRAMES, count)
+        power = np.abs(np.fft.rfft(frames[lo:hi] * window, axis=-1)) ** 2  # (hi - lo, 201)
+        log[:, lo:hi] = np.log10(np.maximum(filters @ power.T, 1e-10))  # (n_mels, hi - lo)
     log = np.maximum(log, log.max() - 8.0)
     return ((log + 4.0) / 4.0).astype(np.float32)
 
@@ -178,7 +193,8 @@ class WhisperLM(Seq2SeqLM):
         # forced_decoder_ids or language/task (None where the language is to be detected), the language
         # tokens to detect it among, and <|notimestamps|>
         self.forced, self.lang_ids, self.no_timestamps = [], (), None
-        self.timestamps = False  # the generation config's return_timestamps
+        self.timestamps = None  # the generation config's return_timestamps (None: it says nothing)
+        self.max_initial_timestamp = None  # the generation config's max_initial_timestamp_index
 
     def read_generation(self, get, vocab_size: int) -> None:
         """The prompt rules of a Whisper generation config (``get``: a FieldReader over it), as
@@ -189,8 +205,17 @@ class WhisperLM(Seq2SeqLM):
         c, source = get.config, get.source
         lang_to_id, task_to_id = get.object("lang_to_id"), get.object("task_to_id")
         self.lang_ids = tuple(lang_to_id.token_id(k, vocab_size) for k in lang_to_id.config)
-        self.timestamps = get("return_timestamps", bool, False)
-        self.no_timestamps = None if self.timestamps else get.token_id("no_timestamps_token_id", vocab_size)
+        self.timestamps = get("return_timestamps", bool, None)
+        self.no_timestamps = get.token_id("no_timestamps_token_id", vocab_size)  # the timestamp tokens come after it
+        if self.timestamps and self.no_timestamps is None:
+            raise ModelError(f"{source}: return_timestamps needs no_timestamps_token_id (the timestamp tokens follow it)")
+        initial = c.get("max_initial_timestamp_index")
+        if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int) or initial < 0):
+            raise ModelError(f"{source}: field 'max_initial_timestamp_index' should be an integer >= 0, got {initial!r}")
+        self.max_initial_timestamp = initial
+        unsupported = [k for k in ("compression_ratio_threshold", "logprob_threshold", "no_speech_threshold", "condition_on_prev_tokens") if c.get(k) not in (None, False)]
+        if unsupported:  # long-form decoding's fallbacks and conditioning: transformers would apply them, qkv has none
+            raise ModelError(f"{source}: field {unsupported[0]!r} ({c[unsupported[0]]!r}) asks transformers' Whisper generate for a rule qkv does not apply; remove it to generate without it")
         language, task = get("language", str, None), get("task", str, None)
         forced = []
         if language is None and task is None:
@@ -221,18 +246,61 @@ class WhisperLM(Seq2SeqLM):
             forced[:1] = [None]  # detected at generate time
         self.forced = forced
 
-    def decoder_prompt(self, hidden) -> list:  # (1, 1500, E) -> token ids
+    def decoder_prompt(self, hidden, *, timestamps: bool = False) -> list:  # (1, 1500, E) -> token ids
         """The start token, then what :meth:`read_generation` found forced: a language to be detected is the
-        language token with the highest logit after the start token alone."""
+        language token with the highest logit after the start token alone; then ``<|notimestamps|>``,
+        unless ``timestamps``."""
         prompt = [self.config.decoder_start_token_id, *self.forced]
         if None in prompt and self.lang_ids:
             logits = self.decode([prompt[:1]], self.new_cache(hidden))[0, -1]
             ids = sorted(self.lang_ids)  # the first of equal logits by id, as an argmax over the masked vocabulary picks
             prompt[1] = ids[int(np.argmax(logits[ids]))]
         prompt = [t for t in prompt if t is not None]
+        if timestamps:  # (an English-only checkpoint forces <|notimestamps|> itself: taken off, as transformers does)
+            return prompt[:-1] if len(prompt) > 1 and prompt[-1] == self.no_timestamps else prompt
         if self.no_timestamps is not None and prompt[-1] != self.no_timestamps:
             prompt.append(self.no_timestamps)
         return prompt
+
+    def _timestamps(self, return_timestamps) -> bool:
+        if return_timestamps is not None and not isinstance(return_timestamps, (bool, np.bool_)):
+            raise TypeError(f"return_timestamps should be True, False or None (the generation config's), got {return_timestamps!r}")
+        on = bool(self.timestamps if return_timestamps is None else return_timestamps)
+        if on and self.no_timestamps is None:
+            raise ValueError("return_timestamps needs the generation config's no_timestamps_token_id (the timestamp tokens follow it), and this model's has none")
+        return on
+
+    def _constrain(self, scores, prompt, news, max_new_tokens, source_ids, timestamps=False):  # (k, V) -> (k, V)
+        """The general rules, then with ``timestamps`` Whisper's, as transformers'
+        ``WhisperTimeStampLogitsProcessor`` (after OpenAI's decoder) applies them: a timestamp first (at most
+        ``max_initial_timestamp_index`` in); then timestamps in pairs, a pair's closing one followed by text
+        or EOS, an opening one by no text; none smaller than the last (a pair may close where it opened);
+        never ``<|notimestamps|>``; and a timestamp wherever all timestamps together are likelier than any
+        one text token."""
+        scores = super()._constrain(scores, prompt, news, max_new_tokens, source_ids, timestamps)
+        if not timestamps:
+            return scores
+        begin = self.no_timestamps + 1  # <|0.00|>
+        eos = self.config.eos_token_id
+        scores[:, self.no_timestamps] = -np.inf
+        for row, new in enumerate(news):
+            last = len(new) >= 1 and new[-1] >= begin
+            penultimate = len(new) < 2 or new[-2] >= begin
+            if last and penultimate:
+                scores[row, begin:] = -np.inf  # a pair just closed: text or EOS now
+            elif last:
+                scores[row, :eos] = -np.inf  # a pair just opened: no text (Whisper's text tokens all come before EOS)
+            stamps = [t for t in new if t >= begin]
+            floor = begin if not stamps else stamps[-1] if last and not penultimate else stamps[-1] + 1
+            scores[row, begin:floor] = -np.inf
+        if not news[0]:
+            scores[:, :begin] = -np.inf
+            if self.max_initial_timestamp is not None:
+                scores[:, begin + self.max_initial_timestamp + 1 :] = -np.inf
+        logp = scores - logsumexp(scores, keepdims=True)
+        stamp = logsumexp(logp[:, begin:]) > logp[:, :begin].max(axis=-1)  # all timestamps together likelier than the likeliest text
+        scores[np.flatnonzero(stamp), :begin] = -np.inf
+        return scores
 
     def _default_length(self, prompt_length: int) -> int:
         """The most new tokens when the caller gives none, as transformers' Whisper ``generate`` sets them
@@ -251,7 +319,7 @@ class WhisperLM(Seq2SeqLM):
         return min(DEFAULT_MAX_NEW_TOKENS, room)
 
     def features(self, audio, *, sampling_rate: int) -> np.ndarray:
-        """The model's input for ``audio``: (1, n_mels, 3000)."""
+        """The model's input for ``audio``: (1, n_mels, 3000), or (1, n_mels, frames) past 30 s."""
         return log_mel_spectrogram(audio, sampling_rate=sampling_rate, n_mels=self.conv1_w.shape[1])[None]
 
     def encode(self, input_features, *, attention_mask=None, output_attentions: bool = False):
@@ -271,14 +339,94 @@ class WhisperLM(Seq2SeqLM):
         h += self.encoder_positions[: h.shape[1]]
         return self._encoder_stack(h, None, output_attentions)
 
-    def generate(self, source, max_new_tokens: int | None = None, *, sampling_rate: int | None = None, **options):
-        """Greedy or beam search (as :meth:`Seq2SeqLM.generate`) for audio (with ``sampling_rate``) or
-        log-mel features; the tokens after the decoder's start token."""
-        if self.timestamps:  # transformers' generate would then apply its timestamp rules, which qkv does not: refused, not run without them
-            raise ValueError("this model's generation config sets return_timestamps: true, and qkv's Whisper does not write timestamps "
-                             "(transformers' timestamp rules are not implemented); set it to false to transcribe without them")  # fmt: skip
-        feats = self.features(source, sampling_rate=sampling_rate) if sampling_rate is not None else source
-        return super().generate(feats, max_new_tokens, **options)
+    def generate(self, source, max_new_tokens: int | None = None, *, sampling_rate: int | None = None, return_timestamps: bool | None = None,
+                 num_beams: int | None = None, length_penalty: float | None = None, early_stopping: bool | str | None = None):  # fmt: skip
+        """The transcript of audio (with ``sampling_rate``) or of log-mel features (n_mels, frames): the
+        tokens after the decoder's prompt, by greedy or beam search (as :meth:`Seq2SeqLM.generate`).
+
+        With ``return_timestamps`` (default: the generation config's), and always for audio past 30 s,
+        Whisper writes timestamp tokens (:meth:`_constrain`), and the audio is transcribed as transformers'
+        Whisper ``generate`` does it: a 30 s window from ``seek`` (0 to start) is decoded; its text is cut
+        into segments at each pair of timestamps; the window then moves to the last timestamp the model
+        wrote (past the window where it wrote a single closing one, or none), and so on to the end. The
+        output's ``token_ids`` are the segments' tokens one after another and ``segments`` time them
+        (seconds into the audio). A timestamp token is 0.02 s after the one before it.
+        """
+        feats = self.features(source, sampling_rate=sampling_rate) if sampling_rate is not None else self._source(source)
+        long = feats.shape[-1] > FRAMES
+        asked = self.timestamps if return_timestamps is None else return_timestamps
+        if long and asked is False:  # transformers refuses it too: past 30 s, the windows move by the timestamps
+            raise ValueError(f"the features are {feats.shape[-1]} frames, past Whisper's {FRAMES} (30 s): transcribing them needs timestamps; "
+                             "leave return_timestamps unset (or True)")  # fmt: skip
+        if not (long or self._timestamps(return_timestamps)):
+            return super().generate(feats, max_new_tokens, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
+        return self._transcribe(feats, max_new_tokens, num_beams, length_penalty, early_stopping)
+
+    def _transcribe(self, feats, max_new_tokens, num_beams, length_penalty, early_stopping):  # (1, n_mels, frames) -> Seq2SeqGenerateOutput
+        """Window after window, with timestamps (:meth:`generate`; transformers' ``WhisperGenerationMixin.generate``
+        with its defaults: no temperature fallback, no conditioning on the previous window's text)."""
+        self._timestamps(True)
+        max_new_tokens, search = self._options(max_new_tokens, num_beams, length_penalty, early_stopping)
+        c, total = self.config, feats.shape[-1]
+        t0 = time.perf_counter()
+        seek, prompt, tokens, segments, windows = 0, None, [], [], 0
+        while seek < total:
+            windows += 1
+            n = min(total - seek, FRAMES)
+            window = np.zeros((1, feats.shape[1], FRAMES), np.float32)  # the last one zero-padded, as transformers pads the features
+            window[..., :n] = feats[..., seek : seek + n]
+            hidden = self.encode(window)
+            if prompt is None:  # a language to detect: from the first window, once
+                prompt = self.decoder_prompt(hidden, timestamps=True)
+                if max_new_tokens is not None and max_new_tokens + len(prompt) > c.max_positions:
+                    raise ValueError(f"max_new_tokens ({max_new_tokens}) and the decoder's {len(prompt)} prompt tokens pass this model's {c.max_positions} positions")
+            new, _, _ = self._search(hidden, prompt, None, max_new_tokens, *search, True)
+            pieces, advance = self._cut(self._trimmed(new), seek, n)
+            segments += pieces
+            seek += advance
+        for piece in segments:
+            tokens += piece["token_ids"]
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        return Seq2SeqGenerateOutput(text, tokens, [], "eos", None, {"seconds": time.perf_counter() - t0, "new_tokens": len(tokens), "windows": windows}, prompt, segments)
+
+    def _trimmed(self, new: list) -> list:
+        """A window's tokens without their end, as transformers' ``generate_with_fallback`` trims them: as many
+        tokens off the end as the padding token occurs (one fewer where it is EOS), then an EOS."""
+        c, seq = self.config, list(new)
+        if seq and seq[-1] == c.pad_token_id:
+            pads = seq.count(c.pad_token_id) - (c.pad_token_id == c.eos_token_id)
+            seq = seq[:-pads] if pads else seq
+        return seq[:-1] if seq and seq[-1] == c.eos_token_id else seq
+
+    def _cut(self, seq: list, seek: int, n: int):  # -> (segments, frames to move on)
+        """A window's segments and how far the next window starts, as transformers' ``_retrieve_segment``:
+        at each pair of timestamps a segment ends; after a single closing timestamp (no speech after it),
+        or no pair at all, the next window starts past this one; otherwise at the last pair, and what
+        follows it is left for the next window to hear whole."""
+        begin = self.no_timestamps + 1
+        offset = seek * TIME_PRECISION / 2  # seconds: the encoder's frames are 2 feature frames, 0.02 s
+        is_stamp = [t >= begin for t in seq]
+        single_ending = is_stamp[-2:] == [False, True]
+        cuts = [i + 1 for i in range(len(is_stamp) - 1) if is_stamp[i] and is_stamp[i + 1]]
+
+        def piece(tokens, start, end):
+            return {"start": offset + start * TIME_PRECISION, "end": offset + end * TIME_PRECISION, "text": self.tokenizer.decode([t for t in tokens if t < begin]) if self.tokenizer is not None else "",
+                    "token_ids": list(tokens)}  # fmt: skip
+
+        if not cuts:  # one segment: to its last timestamp, or to the window's end (a feature frame is 0.01 s)
+            stamps = [t for t in seq if t >= begin]
+            return [piece(seq, 0, stamps[-1] - begin if stamps and stamps[-1] != begin else int(n * 0.01 / TIME_PRECISION))], n
+        if single_ending:
+            cuts.append(len(seq))
+        else:
+            cuts[-1] += 1  # the last pair's second timestamp stays in its segment
+        out, last = [], 0
+        for i, cut in enumerate(cuts):
+            part = seq[last:cut]
+            end_at = -1 if i < len(cuts) - 1 or single_ending else -2
+            out.append(piece(part, part[0] - begin, part[end_at] - begin))
+            last = cut
+        return out, n if single_ending else (seq[last - 2] - begin) * 2
 
     def _source(self, source):  # log-mel features go to the encoder as they are: (1, n_mels, 3000)
         x = np.asarray(source, np.float32)

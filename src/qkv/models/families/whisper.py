@@ -30,7 +30,7 @@ __all__ = ["SAMPLING_RATE", "CHUNK_SECONDS", "TIME_PRECISION", "MAX_SECONDS", "m
 SAMPLING_RATE = 16_000  #: samples a second Whisper was trained on
 CHUNK_SECONDS = 30  #: the encoder hears 30 s at a time
 TIME_PRECISION = 0.02  #: seconds from one timestamp token to the next (<|0.00|>, <|0.02|>, ...)
-MAX_SECONDS = 4 * 3600  #: the longest audio transcribed at once (its features: 80 x 1.44 M float32, 461 MB)
+MAX_SECONDS = 2 * 3600  #: the longest audio transcribed at once (its samples 461 MB as float32, its features 230 MB)
 N_FFT, HOP = 400, 160  #: 25 ms windows every 10 ms
 FRAMES = CHUNK_SECONDS * SAMPLING_RATE // HOP  #: 3,000 spectrogram frames
 
@@ -120,11 +120,15 @@ def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.nd
     if a.size > SAMPLING_RATE * MAX_SECONDS:  # bounded before anything is allocated for it
         raise ValueError(f"audio is {a.size / SAMPLING_RATE:,.1f} s, longer than the {MAX_SECONDS:,} s qkv transcribes at once: cut it into pieces")
     n = SAMPLING_RATE * CHUNK_SECONDS
-    x = np.zeros(max(n, a.size))  # up to 30 s: padded to 30 s
-    x[: a.size] = a
+    m, edge = max(n, a.size), N_FFT // 2
+    # Up to 30 s: float64, padded to 30 s. Longer: float32, as transformers' extractor takes any audio, in one
+    # buffer (2 h: 461 MB) with the reflected edges that centre the frames, rather than np.pad's copy of it.
+    x = np.zeros(m + 2 * edge, np.float64 if a.size <= n else np.float32)
+    x[edge : edge + a.size] = a
     if not np.isfinite(x).all():
         raise ValueError("audio should be finite (it has NaN or inf samples)")
-    x = np.pad(x, N_FFT // 2, mode="reflect")  # centred frames
+    x[:edge] = x[2 * edge : edge : -1]  # centred frames: the signal reflected at both ends
+    x[-edge:] = x[-edge - 2 : -2 * edge - 2 : -1]
     frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP]  # (F + 1, 400): a view
     window = np.hanning(N_FFT + 1)[:-1]  # periodic Hann
     filters = mel_filters(n_mels).T  # (n_mels, 201)
@@ -134,8 +138,10 @@ def log_mel_spectrogram(audio, *, sampling_rate: int, n_mels: int = 80) -> np.nd
         hi = min(lo + FRAMES, count)
         power = np.abs(np.fft.rfft(frames[lo:hi] * window, axis=-1)) ** 2  # (hi - lo, 201)
         log[:, lo:hi] = np.log10(np.maximum(filters @ power.T, 1e-10))  # (n_mels, hi - lo)
-    log = np.maximum(log, log.max() - 8.0)
-    return ((log + 4.0) / 4.0).astype(np.float32)
+    np.maximum(log, log.max() - 8.0, out=log)  # in place: a long recording's features are not copied
+    log += 4.0
+    log /= 4.0
+    return log.astype(np.float32, copy=False)
 
 
 def read_wav(path) -> tuple[np.ndarray, int]:  # -> (samples,) float32 in [-1, 1], sampling rate

@@ -578,6 +578,28 @@ def test_a_truncated_wav_names_the_path(tmp_path):
             read_wav(tmp_path / "t.wav")
 
 
+def test_a_wav_past_two_hours_is_refused_before_it_is_read(tmp_path):
+    """A header may claim any number of frames: past 2 h of 16 kHz stereo, refused before reading (a long
+    recording up to that is read: Whisper transcribes it window after window)."""
+    import struct
+    import wave
+
+    from qkv.models.families.whisper import read_wav
+
+    with wave.open(str(tmp_path / "a.wav"), "wb") as w:
+        w.setnchannels(2), w.setsampwidth(2), w.setframerate(16000), w.writeframes(b"\x01\x00" * 2 * 16000)
+    raw = bytearray((tmp_path / "a.wav").read_bytes())
+    at = raw.index(b"data") + 4
+    raw[at : at + 4] = struct.pack("<I", 2 * 2 * (16000 * 7200 + 1))  # one frame past 2 h
+    (tmp_path / "b.wav").write_bytes(raw)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"b.wav: 115,200,001 frames of 2 channels, past the 7,200 s of 16 kHz stereo qkv reads at once"):
+        read_wav(tmp_path / "b.wav")
+    assert time.monotonic() - t0 < 5
+    audio, rate = read_wav(tmp_path / "a.wav")
+    assert audio.dtype == np.float32 and audio.shape == (16000,) and rate == 16000 and np.allclose(audio, 1 / 32768)
+
+
 def test_a_wav_whose_chunk_points_past_its_end_is_a_value_error(tmp_path):
     """Python's wave module raises a bare RuntimeError when a chunk's size points past the file."""
     import struct

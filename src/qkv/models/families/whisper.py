@@ -152,8 +152,8 @@ def read_wav(path) -> tuple[np.ndarray, int]:  # -> (samples,) float32 in [-1, 1
     try:
         with wave.open(str(path), "rb") as f:
             rate, channels, width, n = f.getframerate(), f.getnchannels(), f.getsampwidth(), f.getnframes()
-            if n > SAMPLING_RATE * CHUNK_SECONDS * 8:  # bound what is read before reading it
-                raise ValueError(f"{path}: {n / rate:.0f} s of audio is far past Whisper's {CHUNK_SECONDS} s window")
+            if n > SAMPLING_RATE * MAX_SECONDS or n * channels > 2 * SAMPLING_RATE * MAX_SECONDS:  # bound what is read before reading it
+                raise ValueError(f"{path}: {n:,} frames of {channels} channels, past the {MAX_SECONDS:,} s of 16 kHz stereo qkv reads at once: cut it into pieces")
             data = f.readframes(n)
     except (wave.Error, EOFError) as exc:
         raise ValueError(f"{path}: not a PCM WAV file qkv can read ({exc or 'the file ends inside its header'})") from None
@@ -165,14 +165,18 @@ def read_wav(path) -> tuple[np.ndarray, int]:  # -> (samples,) float32 in [-1, 1
         raise ValueError(f"{path}: truncated: its header says {n:,} frames, the file holds {len(data) // max(1, width * channels):,}")
     if width == 3:  # 24-bit: widen each sample to 32 bits
         b = np.frombuffer(data, np.uint8).reshape(-1, 3)
-        raw = (b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8) | (b[:, 2].astype(np.int8).astype(np.int32) << 16)).astype(np.float64) / 2**23
+        ints = b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8) | (b[:, 2].astype(np.int8).astype(np.int32) << 16)
     elif width in (1, 2, 4):
-        kind = {1: np.uint8, 2: "<i2", 4: "<i4"}[width]
-        raw = np.frombuffer(data, kind).astype(np.float64)
-        raw = (raw - 128) / 128 if width == 1 else raw / 2 ** (8 * width - 1)
+        ints = np.frombuffer(data, {1: np.uint8, 2: "<i2", 4: "<i4"}[width])
     else:
         raise ValueError(f"{path}: {8 * width}-bit samples are not supported")
-    return raw.reshape(-1, channels).mean(axis=1).astype(np.float32), rate
+    # the channels' mean of each frame, scaled to [-1, 1], in float32 (as Whisper's front end takes audio):
+    # one array of the frames, 4 bytes each (2 h: 461 MB), beside the file's bytes
+    mono = ints.reshape(-1, channels).mean(axis=1, dtype=np.float32) if channels > 1 else ints.astype(np.float32)
+    if width == 1:
+        mono -= np.float32(128)
+    mono /= np.float32(128 if width == 1 else 2 ** (8 * width - 1))
+    return mono, rate
 
 
 def _conv1d(x, w, b, stride: int):  # (B, C_in, T), (C_out, C_in, 3), (C_out,) -> (B, C_out, T')

@@ -47,7 +47,8 @@ def _attention_seq2seq(args, plots, out_dir) -> int:
     if args.target is None and kind == "encoder":  # the encoder's attention needs no target
         tgt = []
     elif args.target is None:
-        out = lm.generate(src, max_new_tokens=40, num_beams=1)  # greedy, whatever search the generation config sets: a quick picture
+        # greedy, whatever search the generation config sets, and Whisper without timestamps: one window's text, a quick picture
+        out = lm.generate(src, max_new_tokens=40, num_beams=1, **({"return_timestamps": False} if lm.config.family == "whisper" else {}))
         tgt = out.prompt_ids[1:] + out.token_ids  # (Whisper: the language, task and no-timestamps tokens first, as the model saw them)
         print(f"no --target: the model's own greedy output, {len(tgt)} tokens: {out.text!r}", file=sys.stderr)
     else:

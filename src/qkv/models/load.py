@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import numbers
 from pathlib import Path
 
 import numpy as np
 
 from . import families
 from .engines.decoder import CausalLM
-from .engines.sampling import MAX_PENALTY
+from .engines.sampling import check_penalty
 from .engines.seq2seq import Seq2SeqLM, check_beams, check_early_stopping, check_length_penalty
 from .errors import ModelError
 from .formats.files import FieldReader, TensorReader, model_path, read_json, regular_file
@@ -240,6 +239,9 @@ def _seq2seq_generation(gen: FieldReader, cfg) -> dict:
     out["renormalize_logits"] = gen("renormalize_logits", bool, False)
     out["encoder_no_repeat_ngram_size"] = 0 if gen.config.get("encoder_no_repeat_ngram_size") in (None, 0) else gen("encoder_no_repeat_ngram_size", int)
     # The search's defaults (the caller's options override them) and the penalties, checked as the options are
+    def _penalty(value, name):
+        return check_penalty(value, None, name=name)[0]
+
     with _naming_option(gen.source):
         for key, check in (("num_beams", check_beams), ("length_penalty", check_length_penalty), ("early_stopping", check_early_stopping),
                            ("repetition_penalty", _penalty), ("encoder_repetition_penalty", _penalty)):  # fmt: skip
@@ -257,13 +259,6 @@ def _seq2seq_generation(gen: FieldReader, cfg) -> dict:
             raise ModelError(f"{gen.source}: field {key!r} ({gen.config[key]!r:.60}) asks transformers' generate for a rule qkv does not apply; "
                              "remove it to generate without it")  # fmt: skip
     return out
-
-
-def _penalty(value, name: str) -> float:
-    """A repetition penalty of a generation config: a number in [1e-6, 1e6], as qkv's sampling takes one."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1 / MAX_PENALTY <= value <= MAX_PENALTY:
-        raise ValueError(f"{name} should be a number in [1e-6, 1e6] (1 = none), got {value!r}")
-    return float(value)
 
 
 @contextlib.contextmanager

@@ -112,10 +112,11 @@ def recommended_sampling(fields: dict, keys: dict, source: str, *, ignored: tupl
     return SamplingDefaults(values, source, tuple(ignored))
 
 
-def check_penalty(repetition_penalty, min_p):
-    """Validated ``(repetition_penalty, min_p)``: a penalty in [1e-6, 1e6] (1 = none), min_p in (0, 1] or None."""
+def check_penalty(repetition_penalty, min_p, *, name: str = "repetition_penalty"):
+    """Validated ``(repetition_penalty, min_p)``: a penalty in [1e-6, 1e6] (1 = none), min_p in (0, 1] or None.
+    ``name``: the penalty's, in the error (a generation config's ``encoder_repetition_penalty``, say)."""
     if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, numbers.Real) or not 1 / MAX_PENALTY <= repetition_penalty <= MAX_PENALTY:
-        raise ValueError(f"repetition_penalty should be a number in [1e-6, 1e6] (1 = none, above 1 discourages repeats), got {repetition_penalty!r}")
+        raise ValueError(f"{name} should be a number in [1e-6, 1e6] (1 = none, above 1 discourages repeats), got {repetition_penalty!r}")
     if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 < min_p <= 1):
         raise ValueError(f"min_p should be in (0, 1] (or None), got {min_p!r}")
     return float(repetition_penalty), None if min_p is None else float(min_p)

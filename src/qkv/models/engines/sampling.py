@@ -105,10 +105,13 @@ def recommended_sampling(fields: dict, keys: dict, source: str, *, ignored: tupl
                 raise ModelError(f"{source}: {key!r} should be in [0, 1], got {v!r}")
             if v > 0:
                 values[name] = float(v)
-        elif not 1 / MAX_PENALTY <= v <= MAX_PENALTY:
-            raise ModelError(f"{source}: {key!r} should be a number in [1e-6, 1e6] (1 = none), got {v!r}")
-        elif v != 1:
-            values[name] = float(v)
+        else:  # a repetition penalty, bounded as generate bounds one
+            try:
+                v = check_penalty(v, None, name=repr(key))[0]
+            except ValueError as exc:
+                raise ModelError(f"{source}: {exc}") from None
+            if v != 1:
+                values[name] = v
     return SamplingDefaults(values, source, tuple(ignored))
 
 

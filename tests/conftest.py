@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 
 import numpy as np
 import pytest
@@ -32,6 +33,24 @@ def _a_quiet_machine_for_the_default_thread_count(monkeypatch):
             threads._apply_blas()
         except ValueError:  # a bad QKV_NUM_THREADS in the environment: the tests of it say so
             pass
+
+
+@pytest.fixture
+def interruptible():
+    """Children started in the test can be stopped by SIGINT, as from a terminal.
+
+    A shell without job control starts a background command (``pytest ... &``) with SIGINT ignored,
+    its children inherit that, and Python then installs no KeyboardInterrupt handler: a test sending
+    SIGINT would see the child run on. A handler of this process's own is reset to the default in
+    a child at ``exec``, where an ignored signal stays ignored."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(scope="session")

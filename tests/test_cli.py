@@ -328,7 +328,7 @@ def test_out_never_writes_through_a_symlink(tmp_path):
     assert not list(out.glob(".*.tmp"))
 
 
-def test_ctrl_c_is_one_line_and_death_by_sigint():
+def test_ctrl_c_is_one_line_and_death_by_sigint(interruptible):
     import signal
     import time
 

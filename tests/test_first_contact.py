@@ -250,7 +250,7 @@ def test_a_closing_line_says_compiling_once(monkeypatch):
     assert generate._closing_line(out).endswith("; decode 1.5 tokens/s]")
 
 
-def test_ctrl_c_during_embed_input_says_resume_goes_on(tmp_path):
+def test_ctrl_c_during_embed_input_says_resume_goes_on(tmp_path, interruptible):
     import signal
     import time
 

@@ -153,7 +153,7 @@ def test_encoder_in_a_forked_worker():
     np.testing.assert_allclose(got, enc.encode(["a sentence in the child"]), atol=1e-6)
 
 
-def test_ctrl_c_stops_a_long_tiled_call_quickly(tmp_path):
+def test_ctrl_c_stops_a_long_tiled_call_quickly(tmp_path, interruptible):
     script = tmp_path / "long.py"
     script.write_text(textwrap.dedent("""
         import sys, numpy as np, qkv

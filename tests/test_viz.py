@@ -107,8 +107,12 @@ def test_missing_glyphs_give_one_warning_at_most(tmp_path, monkeypatch):
         for i in range(2):
             fig = viz.plot_attention(np.full((1, 3, 3), 1 / 3), ["日本語", "中文", "한국어"])
             viz.save(fig, tmp_path / f"cjk{i}.png")
+        # The PCA picture measures its labels while it places them, before it is saved.
+        x = np.random.default_rng(0).standard_normal((3, 4))
+        viz.save(viz.plot_embedding_shift(x, x + 1, ["日本", "語", "한국어"]), tmp_path / "pca.png")
     glyph = [w for w in caught if "glyph" in str(w.message).lower()]
-    assert len(glyph) <= 1  # one, saying what to install, where no installed font has them; none where one does
+    assert len(glyph) <= 1, [str(w.message) for w in glyph]  # one, saying what to install, where no installed font has them; none where one does
+    assert all("drawn as boxes (日本" in str(w.message) and "install a font" in str(w.message) for w in glyph)  # the characters named, once each
 
 
 def _label_boxes(fig):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import contextlib
 import functools
+import re
 import textwrap
 import warnings
 from pathlib import Path
@@ -111,8 +112,10 @@ def _fonts_for(fig: Figure):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if missing and not _warned_glyphs:
         _warned_glyphs = True
+        chars = dict.fromkeys(chr(int(m.group(1))) for w in missing if (m := re.search(r"Glyph (\d+)", str(w.message))))
+        named = "".join(list(chars)[:8]) + ("..." if len(chars) > 8 else "")
         warnings.warn(
-            f"{len(missing)} characters have no glyph in the installed fonts and are drawn as boxes; "
+            f"characters with no glyph in the installed fonts are drawn as boxes ({named}); "
             "install a font that has them (e.g. Debian's fonts-noto-cjk) and qkv.viz uses it",
             UserWarning,
             stacklevel=3,
@@ -438,13 +441,14 @@ def _label_offsets(fig: Figure, ax, points: np.ndarray, texts: list[str], obstac
     renderer = fig.canvas.get_renderer()
     to_pts = lambda xy: ax.transData.transform(xy) * 72.0 / fig.dpi  # noqa: E731  (data -> points)
     pts, obs = to_pts(points), to_pts(obstacles)  # (N, 2), (M, 2)
-    font = FontProperties(size=fontsize)
     pad = 2.0  # points of clearance around a label
     marker = 4.5  # half the side of a marker's box, in points (scatter s=40: about 6.3 points across)
     sizes = []  # (width, height, descent) of each label with its clearance, in points
-    for t in texts:
-        w, h, d = (v * 72.0 / fig.dpi for v in renderer.get_text_width_height_descent(t, font, ismath=False))
-        sizes.append((w + 2 * pad, h + 2 * pad, d + pad))
+    with _fonts_for(fig):  # measured in the fonts the labels are drawn in (the fallbacks too), a missing glyph said once
+        font = FontProperties(size=fontsize)
+        for t in texts:
+            w, h, d = (v * 72.0 / fig.dpi for v in renderer.get_text_width_height_descent(t, font, ismath=False))
+            sizes.append((w + 2 * pad, h + 2 * pad, d + pad))
     near = marker + 1.5  # just off the label's own marker
     candidates = [(near, 2), (near, -12), (-near, 2), (-near, -12), (near, -5), (-near, -5)] + [(r * np.cos(a), r * np.sin(a)) for r in (16, 26, 38, 52, 68) for a in np.linspace(0, 2 * np.pi, 16, endpoint=False)]
     (ax0, ay0), (ax1, ay1) = ax.get_window_extent().get_points() * 72.0 / fig.dpi  # labels stay inside the axes

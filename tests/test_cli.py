@@ -103,6 +103,17 @@ def test_entry_point_installed():
     assert r.returncode == 0 and "head 0" in r.stdout
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_output_a_terminal_cannot_encode_is_escaped_not_an_error(encoding):
+    # A locale or PYTHONIOENCODING without these characters: the output comes, with escapes for them.
+    env = {**os.environ, "PYTHONIOENCODING": encoding}
+    r = subprocess.run([sys.executable, "-m", "qkv", "demo", "Der Bär schläft 日本", "--no-plots", "--heads", "1", "--dim", "2"], capture_output=True, timeout=120, env=env)
+    out = r.stdout.decode(encoding)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert "head 0" in out and "\\u65e5\\u672c" in out
+    assert ("Bär" if encoding == "latin-1" else "B\\xe4r") in out
+
+
 # ------------------------------------------------------- real-model commands
 
 

@@ -250,6 +250,14 @@ def _quiet_interrupt(kind, value, tb) -> None:
         sys.__excepthook__(kind, value, tb)
 
 
+def _escape_what_cannot_be_written(stream) -> None:
+    """A character the output's encoding cannot hold (an ASCII or Latin-1 locale, ``PYTHONIOENCODING``)
+    is written as a backslash escape, as Python writes it to stderr, rather than ending the command
+    with an encoding error after its work is done."""
+    if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="backslashreplace")
+
+
 def run() -> None:
     """The ``qkv`` program (console script and ``python -m qkv``): :func:`main`, then exit.
 
@@ -262,6 +270,7 @@ def run() -> None:
     or a dataclass being made when Ctrl-C comes), so the status would depend on
     how qkv was started and where Ctrl-C landed.
     """
+    _escape_what_cannot_be_written(sys.stdout)
     code = main()
     if code == INTERRUPTED:
         sys.excepthook = _quiet_interrupt  # the one line is printed already

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -162,10 +163,16 @@ def test_short_run_lowers_the_loss_and_the_same_seed_gives_the_same_weights():
     assert not np.array_equal(a.params["tok"], c.params["tok"])
 
 
+#: docs/training.md's default run, run as written (with --json) here rather than again by tests/test_doc_commands.py.
+DOCUMENTED_RUN = "qkv train --out qkv-train"
+
+
 def test_default_induction_run_learns_an_induction_head(tmp_path):
-    """The slow test (about a minute): the default CLI run reaches 99 % and its heads show the mechanism."""
-    r = subprocess.run([sys.executable, "-m", "qkv", "train", "--json", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    """The slow test (about a minute): the documented default run reaches 99 % and its heads show the mechanism."""
+    r = subprocess.run([sys.executable, "-m", *shlex.split(DOCUMENTED_RUN), "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "error" not in r.stderr.lower(), r.stderr
+    out = tmp_path / "qkv-train"
     got = json.loads(r.stdout)
     assert got["task"] == "induction" and got["steps"] == 1500 and got["accuracy"] >= 0.99
     assert "step  1500  loss" in r.stderr
@@ -173,10 +180,10 @@ def test_default_induction_run_learns_an_induction_head(tmp_path):
     T = tr.TASKS["induction"].length
     assert induction[1].max() > 0.5  # a layer-2 head puts most of its weight on the token after the earlier occurrence
     assert previous[0].max() > 5 / T  # a layer-1 head prefers the previous token far above uniform
-    model = tr.load(tmp_path / "model.safetensors")
+    model = tr.load(out / "model.safetensors")
     assert tr.evaluate(model, "induction", 0)[0] == pytest.approx(got["accuracy"])
     for name in ("loss.png", "heads_layer0.png", "heads_layer1.png", "heads.html"):
-        assert (tmp_path / name).stat().st_size > 1000
+        assert (out / name).stat().st_size > 1000
 
 
 def test_save_load_round_trip_and_bad_files(tmp_path):

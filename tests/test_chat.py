@@ -186,6 +186,80 @@ def test_greedy_with_a_repetition_penalty_equals_transformers(torch, tmp_path):
     assert plain != want  # the penalty changed something here
 
 
+class _OpenAIPenalties:
+    """OpenAI's frequency and presence penalties as a transformers logits processor, in torch: a logit
+    lowered by ``frequency`` per time its token was generated and by ``presence`` once it was (the
+    formula of OpenAI's documentation, vLLM's ``_apply_penalties``); the prompt's tokens are not counted."""
+
+    def __init__(self, torch, prompt_len, frequency, presence):
+        self.torch, self.prompt_len, self.frequency, self.presence = torch, prompt_len, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        new = input_ids[:, self.prompt_len :]
+        counts = self.torch.zeros_like(scores).scatter_add_(1, new, self.torch.ones_like(new, dtype=scores.dtype))
+        scores = scores - self.frequency * counts
+        return scores - self.presence * (counts > 0).to(scores.dtype)
+
+
+def test_logit_bias_and_openais_penalties_follow_transformers_and_their_formula(torch, tmp_path):
+    """logit_bias against transformers' SequenceBiasLogitsProcessor (single tokens), the frequency and
+    presence penalties against their formula in torch, run after transformers' repetition penalty (vLLM's
+    order): on random logits and histories, then greedy decoding of a tiny Llama."""
+    from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    from test_decoder import _tiny
+
+    from qkv.models.engines.sampling import adjust, check_logit_bias
+
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        V, P = 50, int(rng.integers(1, 10))
+        logits = rng.standard_normal(V).astype(np.float32) * 3
+        history = rng.integers(0, V, size=P + int(rng.integers(0, 30)))
+        bias = {int(t): float(rng.uniform(-100, 100)) for t in rng.choice(V, size=int(rng.integers(1, 8)), replace=False)}
+        rep, freq, pres = float(rng.uniform(0.5, 2)), float(rng.uniform(-2, 2)), float(rng.uniform(-2, 2))
+        ids = torch.tensor(history)[None]
+        steps = LogitsProcessorList([SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()}), RepetitionPenaltyLogitsProcessor(rep), _OpenAIPenalties(torch, P, freq, pres)])
+        want = steps(ids, torch.tensor(logits)[None])[0].numpy()
+        got = adjust(logits, history[:P].tolist(), history[P:].tolist(), repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres, logit_bias=check_logit_bias(bias, V))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+    model, d = _tiny("llama", torch, tmp_path)
+    lm = load_causal_lm(d)
+    prompt = [5, 9, 13, 5, 9]
+    plain = lm.generate(prompt, max_new_tokens=20, stop_at_eos=False).token_ids
+    options = dict(frequency_penalty=0.9, presence_penalty=0.6, logit_bias={plain[0]: -100.0, 17: 4.0})
+    for rep in (1.0, 1.3):
+        steps = LogitsProcessorList([_OpenAIPenalties(torch, len(prompt), options["frequency_penalty"], options["presence_penalty"])])
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, repetition_penalty=rep, sequence_bias={(t,): b for t, b in options["logit_bias"].items()},
+                                  logits_processor=steps, eos_token_id=None, pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+        got = lm.generate(prompt, max_new_tokens=20, repetition_penalty=rep, stop_at_eos=False, **options).token_ids
+        assert got == want
+        assert plain[0] not in got  # banned
+        for name in options:  # each option changes the answer here
+            assert lm.generate(prompt, max_new_tokens=20, repetition_penalty=rep, stop_at_eos=False, **{**options, name: None if name == "logit_bias" else 0.0}).token_ids != got, name
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"frequency_penalty": 2.5}, r"frequency_penalty should be a number in \[-2, 2\]"),
+    ({"presence_penalty": float("nan")}, r"presence_penalty should be a number in \[-2, 2\]"),
+    ({"presence_penalty": True}, "presence_penalty should be a number"),
+    ({"logit_bias": {-1: 5.0}}, r"logit_bias: a token id should be an integer in \[0, 97\)"),  # never the last token by wrapping
+    ({"logit_bias": {97: 5.0}}, r"\[0, 97\)"),
+    ({"logit_bias": {3.0: 5.0}}, "a token id should be an integer"),
+    ({"logit_bias": {3: 100.5}}, r"logit_bias\[3\] should be a number in \[-100, 100\]"),
+    ({"logit_bias": {3: float("inf")}}, r"logit_bias\[3\] should be a number"),
+    ({"logit_bias": [(3, 1.0)]}, "logit_bias should be a dict"),
+])  # fmt: skip
+def test_bad_penalties_and_biases_are_refused_before_any_work(options, match, torch, tmp_path):
+    from test_decoder import _tiny
+
+    _, d = _tiny("llama", torch, tmp_path)
+    with pytest.raises((TypeError, ValueError), match=match):
+        load_causal_lm(d).generate([5, 9], max_new_tokens=2, **options)
+
+
 def test_a_hugging_face_directory_chats_with_its_own_template(torch, tmp_path):
     from test_decoder import _tiny
 

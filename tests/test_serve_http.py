@@ -180,7 +180,8 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}, 400, "presence_penalty"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -3}, 400, "frequency_penalty"),
     ("POST", "/v1/completions", {"prompt": "word " * 3000, "max_tokens": 10}, 400, "messages"),
     ("POST", "/v1/completions", {"prompt": [-5, 3]}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
@@ -198,7 +199,11 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "unheard_of": None}, 400, "unheard_of"),
     ("POST", "/v1/completions", {"prompt": "hi", "suffix": " the end."}, 400, "suffix"),
     ("POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 5}}, 400, "logit_bias"),  # never wraps to the last token
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"262144": 5}}, 400, "logit_bias"),  # Gemma's vocabulary ends at 262,143
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
     ("POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
     ("POST", "/v1/embeddings", {"input": "hi", "dimensions": 64}, 400, "dimensions"),
     ("POST", "/v1/embeddings", {"input": ["short", "word " * 400]}, 400, "input"),  # past MiniLM's 256 tokens: not embedded by its beginning
@@ -273,13 +278,20 @@ def test_options_that_ask_for_nothing_change_nothing_and_sampling_options_are_ge
     status, data, _ = server.request("POST", "/v1/chat/completions", {"model": "gemma3-270m", "messages": messages, "max_tokens": 12, "temperature": 0, **nulls})
     assert status == 200 and data["choices"][0]["message"]["content"] == plain.choices[0].message.content, data
     # top_k, min_p and repetition_penalty (vLLM's and llama-server's names) are qkv generate's options: the same tokens
-    for extra, seed in (({"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}, 11), ({"repetition_penalty": 1.3}, None)):  # sampled, then greedy
-        args = ["generate", "Once upon a time", "--max-new-tokens", "12", "--json", *(x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+    unpenalised = c.completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=12, temperature=0)
+    first = json.loads(qkv_cli("generate", "Once upon a time", "--max-new-tokens", "1", "--json"))["token_ids"][0]  # greedy's first
+    for extra, seed in (({"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}, 11), ({"repetition_penalty": 1.3}, None),  # sampled, then greedy
+                        ({"frequency_penalty": 1.2, "presence_penalty": 0.7, "logit_bias": {str(first): -100}}, 5), ({"frequency_penalty": 1.5, "presence_penalty": -0.5}, None)):  # OpenAI's
+        args = ["generate", "Once upon a time", "--max-new-tokens", "12", "--json"]
+        for k, v in extra.items():
+            args += [x for tok, bias in v.items() for x in ("--logit-bias", f"{tok}={bias}")] if k == "logit_bias" else [f"--{k.replace('_', '-')}", str(v)]
         ref = json.loads(qkv_cli(*args, *(["--temperature", "0.9", "--seed", str(seed)] if seed is not None else [])))
         got = c.completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=12, temperature=0 if seed is None else 0.9, seed=seed, extra_body=extra)
         assert got.choices[0].text == ref["text"], (extra, got.choices[0].text, ref["text"])
-    unpenalised = c.completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=12, temperature=0)
-    assert unpenalised.choices[0].text != got.choices[0].text  # the penalty is applied, not dropped
+        plain = unpenalised if seed is None else c.completions.create(model="gemma3-270m", prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=seed)
+        assert plain.choices[0].text != got.choices[0].text, extra  # the options are applied, not dropped
+        if "logit_bias" in extra:
+            assert first not in ref["token_ids"]  # banned
 
 
 def test_the_api_key_is_required(server):

@@ -74,14 +74,23 @@ def _sampling(args) -> dict:
         v = getattr(args, name)
         if v is not None and not 0 < v <= 1:
             raise CLIError(f"--{name.replace('_', '-')} should be in (0, 1], got {v}")
-    from ..models.engines.sampling import MAX_PENALTY
+    from ..models.engines.sampling import MAX_OPENAI_PENALTY, MAX_PENALTY
 
     if not 1 / MAX_PENALTY <= args.repetition_penalty <= MAX_PENALTY:  # (float32 logits break past it)
         raise CLIError(f"--repetition-penalty should be a number in [1e-6, 1e6] (1 = none), got {args.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -MAX_OPENAI_PENALTY <= getattr(args, name) <= MAX_OPENAI_PENALTY:
+            raise CLIError(f"--{name.replace('_', '-')} should be a number in [-2, 2] (0 = none), got {getattr(args, name)}")
+    bias = {}
+    for tok, value in args.logit_bias or []:
+        if tok in bias:
+            raise CLIError(f"--logit-bias gives token {tok} twice")
+        bias[tok] = value
     stop = [unescape(x) for x in args.stop or []]
     if any(not x for x in stop):
         raise CLIError("--stop should be a non-empty string")
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=stop, seed=args.seed)
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty, logit_bias=bias or None, stop=stop, seed=args.seed)  # fmt: skip
 
 
 _said = [0.0]  # numba's compiling seconds at the last closing line
@@ -118,8 +127,8 @@ def _chat_model(lm):
 
 def _generate_seq2seq(args, prompt: str) -> int:
     """qkv generate with an encoder-decoder --model: the target for SOURCE, greedy or by beam search."""
-    given = [flag for flag, on in (("--chat", args.chat), ("--temperature", args.temperature != 0), ("--repetition-penalty", args.repetition_penalty != 1.0), ("--stop", bool(args.stop)))
-             if on]  # fmt: skip
+    given = [flag for flag, on in (("--chat", args.chat), ("--temperature", args.temperature != 0), ("--repetition-penalty", args.repetition_penalty != 1.0), ("--frequency-penalty", args.frequency_penalty != 0),
+                                   ("--presence-penalty", args.presence_penalty != 0), ("--logit-bias", bool(args.logit_bias)), ("--stop", bool(args.stop))) if on]  # fmt: skip
     if given:
         raise CLIError(f"{', '.join(given)}: not for an encoder-decoder --model, which decodes greedily or by beam search (--num-beams, --length-penalty, --early-stopping)")
     lm = _load_seq2seq(args.model, "generate")
@@ -264,6 +273,20 @@ def early_stopping_option(text: str):
     return value
 
 
+def logit_bias_option(text: str) -> tuple[int, float]:
+    """--logit-bias's value: ``ID=BIAS``, a token id and the number added to its logit (in [-100, 100])."""
+    tok, sep, value = text.partition("=")
+    try:
+        if not sep or not tok.strip().isascii() or not tok.strip().isdigit():
+            raise ValueError
+        tok, value = int(tok), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"should be ID=BIAS, a token id and a number (like 1234=-100), got {text!r}") from None
+    if not -100 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"the bias should be a number in [-100, 100], got {text!r}")
+    return tok, value
+
+
 def _add_sampling(p, *, default_tokens: int | None) -> None:
     """The generation options generate and chat share (``default_tokens`` None: the model's, where it has one)."""
     told = f"default {default_tokens}" if default_tokens else f"default {DEFAULT_NEW_TOKENS}; an encoder-decoder's generation config's length where it sets one"
@@ -273,6 +296,9 @@ def _add_sampling(p, *, default_tokens: int | None) -> None:
     p.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability P (0 < P <= 1)")
     p.add_argument("--min-p", type=float, help="sample among the tokens at least P times as likely as the most likely one (0 < P <= 1)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1, tokens already seen are made less likely (default 1: none)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's: a token's logit is lowered by F for each time it was generated (-2 <= F <= 2; default 0)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's: a token's logit is lowered by F once it was generated (-2 <= F <= 2; default 0)")
+    p.add_argument("--logit-bias", type=logit_bias_option, action="append", metavar="ID=BIAS", help="add BIAS (-100 to 100) to token ID's logit: -100 all but bans it; may be given several times")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop when the new text contains TEXT (cut before it; escapes as llama.cpp reads them: \\n, \\t, \\xNN, ...); may be given several times")
     p.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")
     p.add_argument("--int8-activations", action="store_true", help="round each token's activations to int8 per block of 32 before the quantized products, as llama.cpp does: not exact, and on the Intel Xeon measured no faster than the default (0.94-1.02x its decode rate: docs/benchmarks.md) (logits move by up to a few tenths; greedy text can part from the default's after some tokens)")

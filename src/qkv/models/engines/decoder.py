@@ -614,7 +614,8 @@ class CausalLM:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                 repetition_penalty: float = 1.0, stop=(), seed=None, stop_at_eos: bool = True, on_token=None) -> GenerateOutput:  # fmt: skip
+                 repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: dict | None = None,
+                 stop=(), seed=None, stop_at_eos: bool = True, on_token=None) -> GenerateOutput:  # fmt: skip
         """Continue ``prompt``: greedy by default, or sampled.
 
         Parameters
@@ -640,6 +641,15 @@ class CausalLM:
             Above 1, every token already in the prompt or the output is made
             less likely (its logit divided by the penalty where positive,
             multiplied where negative), greedy decoding included.
+        frequency_penalty, presence_penalty : float in [-2, 2], default 0.0
+            OpenAI's penalties: a token's logit is lowered by
+            ``frequency_penalty`` times the number of times it was generated,
+            and by ``presence_penalty`` once it was (the prompt's tokens are
+            not counted), greedy decoding included.
+        logit_bias : dict of int to float, optional
+            Added to the logits of those token ids before anything else
+            (OpenAI's ``logit_bias``: each in [-100, 100]; -100 all but bans a
+            token, 100 all but forces it).
         stop : str or sequence of str
             Stop as soon as the new text contains one of these; the text is
             cut before it (the tokens that made it stay in ``token_ids``).
@@ -664,10 +674,12 @@ class CausalLM:
         >>> [o.text for o in lm.generate(["The capital of France is", "1, 2, 3,"], max_new_tokens=4)]
         [' the capital of the', ' 4, ']
         """
-        from .sampling import check_penalty, check_sampling, next_token, penalize
+        from .sampling import adjust, check_logit_bias, check_openai_penalties, check_penalty, check_sampling, next_token
 
         max_new_tokens, temperature, top_k, top_p = check_sampling(max_new_tokens, temperature, top_k, top_p)
         repetition_penalty, min_p = check_penalty(repetition_penalty, min_p)
+        frequency_penalty, presence_penalty = check_openai_penalties(frequency_penalty, presence_penalty)
+        logit_bias = check_logit_bias(logit_bias, self.config.vocab_size)
         stop = [stop] if isinstance(stop, str) else list(stop)
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop should be non-empty strings, got {stop!r}")
@@ -713,7 +725,8 @@ class CausalLM:
                     toks = []
                     for b, run in enumerate(runs):
                         if run.reason is None:
-                            lg = penalize(logits[b], run.prompt + run.new, repetition_penalty)
+                            lg = adjust(logits[b], run.prompt, run.new, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                                        presence_penalty=presence_penalty, logit_bias=logit_bias)  # fmt: skip
                             tok = next_token(lg, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
                             run.new.append(tok)
                             if on_token is not None:

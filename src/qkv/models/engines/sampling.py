@@ -1,17 +1,22 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, penalties, logit bias.
 
-The steps, in the order transformers applies them::
+The steps, in the order transformers applies them (and vLLM, which adds OpenAI's three)::
 
+    logits[ids] = logits[ids] + bias                                      # logit_bias (OpenAI's)
     logits[seen] = logits[seen] / penalty where > 0, * penalty where < 0   # repetition_penalty
+    logits[j] = logits[j] - frequency_penalty * count[j]                  # OpenAI's, over the new tokens
+    logits[j] = logits[j] - presence_penalty * (count[j] > 0)
     logits = logits / temperature
     keep the top_k largest logits                 # the rest get probability 0
     keep the smallest set of most likely tokens whose probabilities reach top_p
     keep the tokens at least min_p times as likely as the most likely one
     token = sample from softmax(kept logits)
 
-``temperature == 0`` skips all but the penalty: the most likely token (ties:
-the lowest id, as ``argmax``). ``seen`` is every token so far, the prompt's
-included (CTRL's penalty, as transformers' ``RepetitionPenaltyLogitsProcessor``).
+``temperature == 0`` skips all but the penalties and the bias: the most likely
+token (ties: the lowest id, as ``argmax``). ``seen`` is every token so far, the
+prompt's included (CTRL's penalty, as transformers' ``RepetitionPenaltyLogitsProcessor``);
+``count[j]`` is how often token ``j`` was generated, the prompt's not counted
+(OpenAI's definition of its frequency and presence penalties, as vLLM applies them).
 """
 
 from __future__ import annotations
@@ -24,12 +29,18 @@ import numpy as np
 
 from ...softmax import softmax
 
-__all__ = ["next_token", "token_probabilities", "check_sampling", "check_penalty", "penalize", "MAX_PENALTY", "SamplingDefaults", "recommended_sampling", "HF_SAMPLING_KEYS", "GGUF_SAMPLING_KEYS"]
+__all__ = ["next_token", "token_probabilities", "check_sampling", "check_penalty", "penalize", "adjust", "check_openai_penalties", "check_logit_bias", "MAX_PENALTY",
+           "MAX_OPENAI_PENALTY", "MAX_LOGIT_BIAS", "SamplingDefaults", "recommended_sampling", "HF_SAMPLING_KEYS", "GGUF_SAMPLING_KEYS"]
 
 #: The repetition penalty lies in [1 / MAX_PENALTY, MAX_PENALTY]. Past it the logits' float32 breaks:
 #: a penalty of 1e-50 is 0 in float32 (a division by zero), one of 1e300 infinite; and a factor of a
 #: million already makes a seen token as good as banned (or forced).
 MAX_PENALTY = 1e6
+
+#: OpenAI's range of ``frequency_penalty`` and ``presence_penalty``, [-2, 2] (vLLM's and llama-server's too).
+MAX_OPENAI_PENALTY = 2.0
+#: OpenAI's range of a logit bias, [-100, 100]: -100 all but bans a token, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 #: Where a model's files recommend its sampling: generate's option -> the key of generation_config.json
@@ -154,6 +165,61 @@ def penalize(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
     out = logits.copy()
     vals = out[ids]
     out[ids] = np.where(vals > 0, vals / out.dtype.type(penalty), vals * out.dtype.type(penalty))
+    return out
+
+
+def check_openai_penalties(frequency_penalty, presence_penalty) -> tuple[float, float]:
+    """Validated ``(frequency_penalty, presence_penalty)``: numbers in [-2, 2] (0 = none)."""
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -MAX_OPENAI_PENALTY <= value <= MAX_OPENAI_PENALTY:
+            raise ValueError(f"{name} should be a number in [-2, 2] (0 = none, above 0 discourages repeats), got {value!r}")
+    return float(frequency_penalty), float(presence_penalty)
+
+
+def check_logit_bias(logit_bias, vocab_size: int):
+    """Validated ``logit_bias`` (``{token id: bias}``, ids in ``[0, vocab_size)``, biases in [-100, 100]) as
+    ``(ids, biases)`` arrays sorted by id; None for None or an empty mapping.
+
+    >>> check_logit_bias({7: -100, 2: 5.5}, 10)
+    (array([2, 7]), array([   5.5, -100. ]))
+    """
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise TypeError(f"logit_bias should be a dict of token id -> bias, got {type(logit_bias).__name__}")
+    if not logit_bias:
+        return None
+    for tok, bias in logit_bias.items():
+        if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or not 0 <= tok < vocab_size:
+            raise ValueError(f"logit_bias: a token id should be an integer in [0, {vocab_size}) (this model's vocabulary), got {tok!r}")
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{tok}] should be a number in [-100, 100], got {bias!r}")
+    ids = np.array(sorted(int(t) for t in logit_bias), np.int64)
+    return ids, np.array([float(logit_bias[t]) for t in ids.tolist()])
+
+
+def adjust(logits: np.ndarray, prompt, new, *, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias=None) -> np.ndarray:  # (V,) -> (V,)
+    """The logits the next token is chosen from, after the bias and the penalties, in vLLM's order (the
+    module's steps): ``logit_bias`` (:func:`check_logit_bias`'s arrays) added; the repetition penalty
+    over ``prompt`` and ``new``; the frequency and presence penalties over ``new`` (the tokens generated),
+    each a subtraction in the logits' dtype. A copy; ``logits`` itself where nothing applies.
+
+    >>> import numpy as np
+    >>> adjust(np.zeros(4, np.float32), [0], [1, 1, 2], frequency_penalty=0.5, presence_penalty=0.25, logit_bias=check_logit_bias({3: 2}, 4))
+    array([ 0.  , -1.25, -0.75,  2.  ], dtype=float32)
+    """
+    out = logits
+    if logit_bias is not None:
+        ids, bias = logit_bias
+        out = out.copy()
+        out[ids] += bias.astype(out.dtype)
+    out = penalize(out, list(prompt) + list(new), repetition_penalty) if repetition_penalty != 1.0 else out
+    if (frequency_penalty or presence_penalty) and len(new):
+        ids, counts = np.unique(np.asarray(new, np.int64), return_counts=True)
+        out = out.copy() if out is logits else out
+        dt = out.dtype.type
+        out[ids] -= dt(frequency_penalty) * counts.astype(out.dtype)
+        out[ids] -= dt(presence_penalty)
     return out
 
 

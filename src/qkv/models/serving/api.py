@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engines.sampling import MAX_PENALTY, check_penalty, check_sampling
+from ..engines.sampling import MAX_OPENAI_PENALTY, MAX_PENALTY, check_logit_bias, check_penalty, check_sampling
 from .http import READ_TIMEOUT
 from .scheduler import Closed, Request
 
@@ -110,12 +110,12 @@ class _Body(_Strict):
     top_k: int | None = Field(default=None, ge=1)
     min_p: float | None = Field(default=None, gt=0, le=1)
     repetition_penalty: float | None = Field(default=None, ge=1 / MAX_PENALTY, le=MAX_PENALTY)  # (float32 logits break past it)
+    # OpenAI's penalties and bias, as qkv generate's options of the same names (0 and none by default)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY)
+    logit_bias: dict | None = None  # {"token id": bias}: JSON's keys are strings
     # OpenAI's, changing nothing here
     user: str | None = None
-    # OpenAI's, not implemented (_UNSUPPORTED)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict | None = None
 
 
 class CompletionBody(_Body):
@@ -190,9 +190,6 @@ class EmbeddingBody(_Strict):
 #: clients send by default): any other value gets a 400 naming the argument, never an answer that
 #: quietly ignored it. Messages' fields are checked the same way (``messages``).
 _UNSUPPORTED = {
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -343,7 +340,21 @@ class _Server:
             raise APIError(400, "stop should be up to 4 non-empty strings", param="stop")
         out = {key: self.sampling_defaults[key] if getattr(body, key) is None else getattr(body, key) for key in OPENAI_SAMPLING}
         out["top_p"] = None if out["top_p"] is None or out["top_p"] >= 1 else out["top_p"]
-        return {**out, "stop": tuple(stop)}
+        return {**out, "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty, "logit_bias": self._logit_bias(body.logit_bias), "stop": tuple(stop)}
+
+    def _logit_bias(self, given: dict | None):
+        """OpenAI's ``logit_bias`` (``{"token id": bias}``) as :func:`~..engines.sampling.check_logit_bias` gives it."""
+        if given is None:
+            return None
+        ids = {}
+        for key, bias in given.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+                raise APIError(400, f"logit_bias: a key should be a token id in decimal digits, got {key[:40]!r}", param="logit_bias")
+            ids[int(key)] = bias
+        try:
+            return check_logit_bias(ids, self.lm.config.vocab_size)
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, str(exc), param="logit_bias") from None
 
     def _max_tokens(self, asked: int | None, prompt_len: int, default: int) -> int:
         lim = self.limits

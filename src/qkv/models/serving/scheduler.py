@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...threads import set_num_threads
-from ..engines.sampling import next_token, penalize
+from ..engines.sampling import adjust, next_token
 from ..engines.text_stream import TextStream
 from .engine import Batch, forward_step, log_probabilities
 from .pages import PagePool
@@ -66,6 +66,9 @@ class Request:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float = 1.0  # as qkv generate's: the prompt's tokens and the new ones made less likely
+    frequency_penalty: float = 0.0  # OpenAI's, as qkv generate's: over the new tokens
+    presence_penalty: float = 0.0
+    logit_bias: tuple | None = None  # (ids, biases), as sampling.check_logit_bias gives them
     seed: int | None = None
     stop: tuple = ()
     top_logprobs: int | None = None
@@ -363,10 +366,12 @@ class Scheduler:
             self._recent.popleft()
 
     def _sample(self, req: Request, logits: np.ndarray, now: float, log_z, top) -> None:
-        if req.temperature == 0 and req.repetition_penalty == 1.0 and top is not None and len(top) and math.isfinite(log_z):
+        plain = req.repetition_penalty == 1.0 and not req.frequency_penalty and not req.presence_penalty and req.logit_bias is None
+        if req.temperature == 0 and plain and top is not None and len(top) and math.isfinite(log_z):
             tok = int(top[0])  # the argmax, from log_probabilities' search
-        else:  # as generate samples (its log-probabilities stay the model's, before the penalty)
-            lg = penalize(logits, req.tokens, req.repetition_penalty)
+        else:  # as generate samples (its log-probabilities stay the model's, before the penalties and the bias)
+            lg = adjust(logits, req.prompt, req.new, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
+                        presence_penalty=req.presence_penalty, logit_bias=req.logit_bias)  # fmt: skip
             tok = next_token(lg, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, rng=req.rng)
         info = {"token": tok}
         if req.top_logprobs is not None:  # log_z and the top ids: engine.log_probabilities

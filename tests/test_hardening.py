@@ -636,7 +636,8 @@ def test_every_extra_brings_what_its_code_imports():
     names = {k: {d.split(">")[0].split("=")[0].split("[")[0] for d in v} | {x for d in v if d.startswith("qkv[") for x in d[4:-1].split(",")} for k, v in extras.items()}
     assert {"numba", "scipy"} <= names["fast"]
     assert "fast" in names["gemma"] and "models" in names["gemma"]
-    assert {"fast", "dask", "gemma", "models", "viz"} <= names["all"]
+    assert "llguidance" in names["structured"] and {"structured", "gemma"} <= names["serve"]  # response_format
+    assert {"fast", "dask", "gemma", "models", "viz", "structured", "serve"} <= names["all"]
 
 
 def test_without_the_compiled_kernels_products_fall_back_and_say_so_once(monkeypatch):

@@ -189,7 +189,10 @@ BAD = [
     ("POST", "/v1/embeddings", {"input": []}, 400, "input"),
     # an option qkv does not implement is refused where it would change the answer, never ignored
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}}, 400, "response_format"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, 400, "response_format"),  # OpenAI's name is required
+    ("POST", "/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object", "schema": {}}}, 400, "response_format"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}, 400, "reasoning_effort"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400, "messages[0].tool_calls"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temprature": 0}, 400, "temprature"),  # a typo: not a default quietly used
@@ -292,6 +295,29 @@ def test_options_that_ask_for_nothing_change_nothing_and_sampling_options_are_ge
         assert plain.choices[0].text != got.choices[0].text, extra  # the options are applied, not dropped
         if "logit_bias" in extra:
             assert first not in ref["token_ids"]  # banned
+
+
+def test_response_format_answers_json_as_qkv_generate_writes_it(server):
+    with server.client() as c:
+        _json_answers(c)
+
+
+def _json_answers(c):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, "required": ["city", "country"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    ref = json.loads(qkv_cli("generate", "--chat", "Describe Paris as JSON.", "--json-schema", json.dumps(schema), "--max-new-tokens", "40", "--json"))
+    got = c.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "Describe Paris as JSON."}], max_tokens=40, temperature=0, response_format=fmt)
+    assert got.choices[0].message.content == ref["text"] and got.choices[0].finish_reason == "stop"
+    assert set(json.loads(ref["text"])) == {"city", "country"}
+    with c.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "Describe Paris as JSON."}], max_tokens=40, temperature=0, response_format=fmt, stream=True) as streamed:
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == ref["text"]
+    # any object, sampled, n choices each its own place in the grammar; the completions route too
+    many = c.completions.create(model="gemma3-270m", prompt="A JSON object describing a cat:", max_tokens=60, temperature=0.8, seed=3, n=3, extra_body={"response_format": {"type": "json_object"}})
+    for choice in many.choices:
+        assert choice.text.startswith("{")
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict)
+    assert len({choice.text for choice in many.choices}) > 1
 
 
 def test_the_api_key_is_required(server):

@@ -86,11 +86,21 @@ def _sampling(args) -> dict:
         if tok in bias:
             raise CLIError(f"--logit-bias gives token {tok} twice")
         bias[tok] = value
+    schema = None
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(args.json_schema)
+        except ValueError as exc:
+            raise CLIError(f"--json-schema should be a JSON schema written as JSON (like '{{\"type\": \"object\"}}'): {exc}") from None
+        except RecursionError:
+            raise CLIError("--json-schema is nested too deeply") from None
+        if not isinstance(schema, dict):
+            raise CLIError(f"--json-schema should be a JSON object (a schema), got {type(schema).__name__}")
     stop = [unescape(x) for x in args.stop or []]
     if any(not x for x in stop):
         raise CLIError("--stop should be a non-empty string")
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                presence_penalty=args.presence_penalty, logit_bias=bias or None, stop=stop, seed=args.seed)  # fmt: skip
+                presence_penalty=args.presence_penalty, logit_bias=bias or None, json_schema=schema, stop=stop, seed=args.seed)  # fmt: skip
 
 
 _said = [0.0]  # numba's compiling seconds at the last closing line
@@ -128,7 +138,8 @@ def _chat_model(lm):
 def _generate_seq2seq(args, prompt: str) -> int:
     """qkv generate with an encoder-decoder --model: the target for SOURCE, greedy or by beam search."""
     given = [flag for flag, on in (("--chat", args.chat), ("--temperature", args.temperature != 0), ("--repetition-penalty", args.repetition_penalty != 1.0), ("--frequency-penalty", args.frequency_penalty != 0),
-                                   ("--presence-penalty", args.presence_penalty != 0), ("--logit-bias", bool(args.logit_bias)), ("--stop", bool(args.stop))) if on]  # fmt: skip
+                                   ("--presence-penalty", args.presence_penalty != 0), ("--logit-bias", bool(args.logit_bias)), ("--json-schema", args.json_schema is not None),
+                                   ("--stop", bool(args.stop))) if on]  # fmt: skip
     if given:
         raise CLIError(f"{', '.join(given)}: not for an encoder-decoder --model, which decodes greedily or by beam search (--num-beams, --length-penalty, --early-stopping)")
     lm = _load_seq2seq(args.model, "generate")
@@ -298,6 +309,7 @@ def _add_sampling(p, *, default_tokens: int | None) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1, tokens already seen are made less likely (default 1: none)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's: a token's logit is lowered by F for each time it was generated (-2 <= F <= 2; default 0)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's: a token's logit is lowered by F once it was generated (-2 <= F <= 2; default 0)")
+    p.add_argument("--json-schema", metavar="JSON", help="write JSON following this schema (a JSON schema as JSON text: '{\"type\": \"object\"}' for any object; needs qkv[structured])")
     p.add_argument("--logit-bias", type=logit_bias_option, action="append", metavar="ID=BIAS", help="add BIAS (-100 to 100) to token ID's logit: -100 all but bans it; may be given several times")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop when the new text contains TEXT (cut before it; escapes as llama.cpp reads them: \\n, \\t, \\xNN, ...); may be given several times")
     p.add_argument("--seed", type=int, help="seed of the sampling (default 0): the same seed gives the same text")

@@ -209,6 +209,7 @@ class _Run:
     new: list = field(default_factory=list)
     reason: str | None = None
     text: TextStream | None = None  # the new text, kept as the tokens come, where stop strings are looked for
+    matcher: object = None  # where it stands in a JSON schema's grammar (structured.Matcher), if one was given
 
 
 @dataclass
@@ -615,7 +616,7 @@ class CausalLM:
     # ------------------------------------------------------------------ generation
     def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: dict | None = None,
-                 stop=(), seed=None, stop_at_eos: bool = True, on_token=None) -> GenerateOutput:  # fmt: skip
+                 json_schema: dict | None = None, stop=(), seed=None, stop_at_eos: bool = True, on_token=None) -> GenerateOutput:  # fmt: skip
         """Continue ``prompt``: greedy by default, or sampled.
 
         Parameters
@@ -650,6 +651,12 @@ class CausalLM:
             Added to the logits of those token ids before anything else
             (OpenAI's ``logit_bias``: each in [-100, 100]; -100 all but bans a
             token, 100 all but forces it).
+        json_schema : dict, optional
+            The new text is JSON following this schema (``{"type": "object"}``:
+            any object): tokens the schema does not allow next are never
+            taken, and once the value is complete only end-of-text is
+            (:class:`~.structured.JsonSchema`; needs ``qkv[structured]``).
+            Text cut by ``max_new_tokens`` stays unfinished.
         stop : str or sequence of str
             Stop as soon as the new text contains one of these; the text is
             cut before it (the tokens that made it stay in ``token_ids``).
@@ -680,6 +687,13 @@ class CausalLM:
         repetition_penalty, min_p = check_penalty(repetition_penalty, min_p)
         frequency_penalty, presence_penalty = check_openai_penalties(frequency_penalty, presence_penalty)
         logit_bias = check_logit_bias(logit_bias, self.config.vocab_size)
+        schema = None
+        if json_schema is not None:
+            if not stop_at_eos:
+                raise ValueError("json_schema ends the text with an end-of-text token once the value is complete: it needs stop_at_eos=True")
+            from .structured import JsonSchema
+
+            schema = JsonSchema(self, json_schema)
         stop = [stop] if isinstance(stop, str) else list(stop)
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop should be non-empty strings, got {stop!r}")
@@ -699,7 +713,7 @@ class CausalLM:
             rows = [self._prompt_ids(prompt, "prompt")]
         eos = set(self.tokenizer.eos_ids if self.tokenizer is not None else ())
         n = len(rows)
-        runs = [_Run(r, text=TextStream(self.tokenizer) if stop else None) for r in rows]
+        runs = [_Run(r, text=TextStream(self.tokenizer) if stop else None, matcher=schema.matcher() if schema is not None else None) for r in rows]
         # numba's first compile of a kernel happens inside the first calls: its seconds are left out of
         # prefill_s and decode_s (and given as compile_s), or a first run's rates would say nothing of qkv's
         c0, t0 = compile_seconds(), time.perf_counter()
@@ -725,9 +739,12 @@ class CausalLM:
                     toks = []
                     for b, run in enumerate(runs):
                         if run.reason is None:
-                            lg = adjust(logits[b], run.prompt, run.new, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                            lg = logits[b] if run.matcher is None else run.matcher.mask(logits[b])
+                            lg = adjust(lg, run.prompt, run.new, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                                         presence_penalty=presence_penalty, logit_bias=logit_bias)  # fmt: skip
                             tok = next_token(lg, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
+                            if run.matcher is not None:
+                                run.matcher.advance(tok)
                             run.new.append(tok)
                             if on_token is not None:
                                 on_token(tok)

@@ -53,6 +53,8 @@ class Limits:
 
 #: The error code of a request the engine ended, by the HTTP status it gives (the scheduler's payload).
 _ERROR_CODES = {503: "shutting_down", 504: "timeout", 500: "internal_error"}
+#: ... and its type (a 400 from the engine: a JSON schema's matcher reached one of llguidance's limits mid-answer).
+_ERROR_KINDS = {504: "timeout_error", 400: "invalid_request_error"}
 
 
 class APIError(Exception):
@@ -114,6 +116,7 @@ class _Body(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY)
     presence_penalty: float = Field(default=0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY)
     logit_bias: dict | None = None  # {"token id": bias}: JSON's keys are strings
+    response_format: dict | None = None  # text, json_object or json_schema (_response_format)
     # OpenAI's, changing nothing here
     user: str | None = None
 
@@ -168,7 +171,6 @@ class ChatBody(_Body):
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    response_format: dict | None = None
     audio: dict | None = None
     modalities: list | None = None
     prediction: dict | None = None
@@ -197,7 +199,6 @@ _UNSUPPORTED = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -342,6 +343,35 @@ class _Server:
         out["top_p"] = None if out["top_p"] is None or out["top_p"] >= 1 else out["top_p"]
         return {**out, "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty, "logit_bias": self._logit_bias(body.logit_bias), "stop": tuple(stop)}
 
+    async def _response_format(self, given: dict | None):
+        """OpenAI's ``response_format``: None for text, else the :class:`~..engines.structured.JsonSchema` the answer
+        follows (``json_object``: any JSON object). Compiled off the event loop: the model's first schema builds
+        llguidance's vocabulary (2 s for Gemma 3's)."""
+        if given is None or given == {"type": "text"}:
+            return None
+        kind = given.get("type")
+        if kind == "json_object" and set(given) == {"type"}:
+            schema = {"type": "object"}
+        elif kind == "json_schema" and set(given) == {"type", "json_schema"} and isinstance(given["json_schema"], dict):
+            spec = given["json_schema"]
+            unknown = set(spec) - {"name", "schema", "strict", "description"}
+            if unknown:
+                raise APIError(400, f"response_format.json_schema: unknown fields {sorted(unknown)} (it takes name, schema, strict and description)", param="response_format")
+            if not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema should have a string name and a schema object", param="response_format")
+            schema = spec.get("schema", {})  # OpenAI's default: no constraint beyond JSON
+        else:
+            raise APIError(400, 'response_format should be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, '
+                                f"got {json.dumps(given)[:120]}", param="response_format")  # fmt: skip
+        from ..engines.structured import JsonSchema
+
+        try:
+            return await asyncio.to_thread(JsonSchema, self.lm, schema)
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, f"response_format: {exc}", param="response_format") from None
+        except ImportError as exc:
+            raise APIError(400, f"response_format: this server cannot follow a JSON schema ({exc})", param="response_format") from None
+
     def _logit_bias(self, given: dict | None):
         """OpenAI's ``logit_bias`` (``{"token id": bias}``) as :func:`~..engines.sampling.check_logit_bias` gives it."""
         if given is None:
@@ -385,8 +415,15 @@ class _Server:
 
             return emit
 
+        sampling = dict(sampling)
+        schema = sampling.pop("schema", None)
+        try:  # each choice writes its own answer: its own place in the schema's grammar
+            matchers = [None if schema is None else schema.matcher() for _ in range(len(prompts) * n)]
+        except ValueError as exc:
+            raise APIError(400, f"response_format: {exc}", param="response_format") from None
         for i in range(len(prompts) * n):
-            r = Request(prompt=list(prompts[i // n]), max_tokens=max_tokens, emit=emitter(i), seed=None if seed is None else seed + i, top_logprobs=top_logprobs, deadline=deadline, **sampling)
+            r = Request(prompt=list(prompts[i // n]), max_tokens=max_tokens, emit=emitter(i), seed=None if seed is None else seed + i, top_logprobs=top_logprobs, deadline=deadline,
+                        matcher=matchers[i], **sampling)  # fmt: skip
             try:
                 queued = self.scheduler.submit(r)
             except Closed:
@@ -455,6 +492,7 @@ class _Server:
             except (TypeError, ValueError) as exc:
                 raise APIError(400, str(exc), param="prompt") from None
         max_tokens = self._max_tokens(body.max_tokens, max(map(len, prompts)), 16)
+        sampling["schema"] = await self._response_format(body.response_format)
         return await self._respond(request, "text_completion", body, prompts, max_tokens, sampling, body.logprobs)
 
     async def chat(self, request: HTTPRequest) -> Response:
@@ -494,6 +532,7 @@ class _Server:
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._max_tokens(asked, len(prompt), self.limits.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
+        sampling["schema"] = await self._response_format(body.response_format)
         return await self._respond(request, "chat.completion", body, [prompt], max_tokens, sampling, top)
 
     async def _respond(self, request, kind, body, prompts, max_tokens, sampling, top) -> Response:
@@ -515,7 +554,7 @@ class _Server:
             else:
                 await gen.aclose()
                 status = payload.get("status", 500)
-                return error_response(status, payload["message"], code=_ERROR_CODES.get(status), kind="timeout_error" if status == 504 else "server_error", headers={"Retry-After": "1"} if status == 503 else None)
+                return error_response(status, payload["message"], code=_ERROR_CODES.get(status), kind=_ERROR_KINDS.get(status, "server_error"), headers={"Retry-After": "1"} if status == 503 else None)
         created = int(time.time())
         texts = ["".join(p) for p in pieces]
         if kind == "chat.completion":
@@ -564,7 +603,7 @@ class _Server:
                     else:
                         yield chunk([{"index": i, "text": "", "logprobs": None, "finish_reason": payload["finish_reason"]}])
                 else:
-                    yield f"data: {json.dumps({'error': {'message': payload['message'], 'type': 'server_error', 'param': None, 'code': _ERROR_CODES.get(payload.get('status'))}})}\n\n"
+                    yield f"data: {json.dumps({'error': {'message': payload['message'], 'type': _ERROR_KINDS.get(payload.get('status'), 'server_error'), 'param': None, 'code': _ERROR_CODES.get(payload.get('status'))}})}\n\n"
                     return
             if include_usage:
                 yield chunk([], self._usage(dones, per_prompt))

@@ -69,6 +69,7 @@ class Request:
     frequency_penalty: float = 0.0  # OpenAI's, as qkv generate's: over the new tokens
     presence_penalty: float = 0.0
     logit_bias: tuple | None = None  # (ids, biases), as sampling.check_logit_bias gives them
+    matcher: object = None  # a JSON schema's state for this sequence (engines.structured.Matcher), if the request gave one
     seed: int | None = None
     stop: tuple = ()
     top_logprobs: int | None = None
@@ -366,13 +367,20 @@ class Scheduler:
             self._recent.popleft()
 
     def _sample(self, req: Request, logits: np.ndarray, now: float, log_z, top) -> None:
-        plain = req.repetition_penalty == 1.0 and not req.frequency_penalty and not req.presence_penalty and req.logit_bias is None
+        plain = req.repetition_penalty == 1.0 and not req.frequency_penalty and not req.presence_penalty and req.logit_bias is None and req.matcher is None
         if req.temperature == 0 and plain and top is not None and len(top) and math.isfinite(log_z):
             tok = int(top[0])  # the argmax, from log_probabilities' search
-        else:  # as generate samples (its log-probabilities stay the model's, before the penalties and the bias)
-            lg = adjust(logits, req.prompt, req.new, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
-                        presence_penalty=req.presence_penalty, logit_bias=req.logit_bias)  # fmt: skip
-            tok = next_token(lg, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, rng=req.rng)
+        else:  # as generate samples (its log-probabilities stay the model's, before the schema, the penalties and the bias)
+            try:
+                lg = logits if req.matcher is None else req.matcher.mask(logits)
+                lg = adjust(lg, req.prompt, req.new, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
+                            presence_penalty=req.presence_penalty, logit_bias=req.logit_bias)  # fmt: skip
+                tok = next_token(lg, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, rng=req.rng)
+                if req.matcher is not None:
+                    req.matcher.advance(tok)
+            except ValueError as exc:  # the schema's matcher failed (a limit of llguidance's): this request's error, not the server's
+                self._finish(req, error=str(exc), status=400)
+                return
         info = {"token": tok}
         if req.top_logprobs is not None:  # log_z and the top ids: engine.log_probabilities
             info["logprob"] = float(logits[tok]) - log_z

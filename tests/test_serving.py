@@ -524,6 +524,47 @@ def test_an_engine_failure_answers_every_request_with_an_error_and_the_server_go
         assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4
 
 
+def test_a_schema_that_fails_mid_answer_ends_its_request_alone_with_a_400(lm, monkeypatch):
+    """llguidance's matcher can stop on one of its limits mid-answer: that request ends with a 400 in
+    OpenAI's shape, its pages go back, and the requests beside it in the batch answer as alone."""
+    import http.client
+    import json
+
+    from qkv.models.engines import structured
+    from qkv.models.serving.server import start_server
+
+    def post(port, body):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            r = c.getresponse()
+            return r.status, json.loads(r.read().decode())
+        finally:
+            c.close()
+
+    real = structured.Matcher.mask
+    calls = {"n": 0}
+
+    def failing(self, logits):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("the JSON schema's matcher failed: a limit")
+        return real(self, logits)
+
+    monkeypatch.setattr(structured.Matcher, "mask", failing)
+    with start_server(lm, model_name="m", kv_tokens=1024) as srv:
+        alone = post(srv.port, {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})[1]["choices"][0]["text"]
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(post, srv.port, {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+            schema = pool.submit(post, srv.port, {"prompt": "A cat as JSON:", "max_tokens": 8, "temperature": 0, "response_format": {"type": "json_object"}})
+            (status, data), (plain_status, plain_data) = schema.result(), plain.result()
+        assert status == 400 and data["error"]["type"] == "invalid_request_error" and "matcher failed" in data["error"]["message"]
+        assert plain_status == 200 and plain_data["choices"][0]["text"] == alone
+        assert srv.scheduler.pool.pages_in_use == 0
+
+
 def test_greedy_tokens_are_numpys_argmax_whatever_log_probabilities_are_asked_for(lm):
     """A greedy request asking for log-probabilities takes its token from their search for the maximum;
     one asking for none takes np.argmax of the logits: the same tokens, and the log-probabilities asked

@@ -6,12 +6,16 @@ decoding takes the likeliest allowed token and a sample draws among the allowed 
 value is complete only an end-of-text token is allowed. The masks are llguidance's (Microsoft's, in
 Rust; vLLM and llama.cpp can use it for the same masking): qkv hand-writes none of the grammar work.
 
-The JSON written is compact with a space after ``,`` and ``:`` (``{"name": "Ada", "age": 36}``):
-llguidance's default, any whitespace anywhere, lets a small model write spaces until its tokens run
-out. A schema's keywords llguidance does not implement are an error, never ignored.
+The JSON is written as ``json.dumps`` writes it, a space after ``,`` and ``:`` and no other
+whitespace (``{"name": "Ada", "age": 36}``), one way for the model to take. With llguidance's default,
+any whitespace between tokens, Gemma 3 270M answered a name-and-age schema greedily with a newline
+and a name of digits until its 60 tokens ran out, and with this style ``{"name": "John", "age": 20}``.
+A schema's keywords llguidance does not implement are an error, never ignored.
 
 The vocabulary llguidance needs is built from the model's tokenizer once, at the first schema
-(2.0 s and about 200 MB for Gemma 3's 262,144 tokens, measured here), then kept with the model.
+(2.0 to 3.7 s and about 200 MB for Gemma 3's 262,144 tokens, measured here), then kept with the model;
+a schema then compiles in well under a millisecond, and masking a token and stepping the matcher
+take about 0.3 ms (``JsonSchema`` and ``Matcher`` timed with ``time.perf_counter``).
 """
 
 from __future__ import annotations

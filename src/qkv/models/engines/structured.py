@@ -97,15 +97,15 @@ class JsonSchema:
             self._grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_STYLE)
         except ValueError as exc:
             raise ValueError(f"json_schema cannot be compiled: {str(exc)[:500]}") from None
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar, self._tokenizer)
-        if failed:
-            raise ValueError(f"json_schema cannot be followed: {messages[0][:500]}")
+        # Built once here (where a server calls this: off its event loop), within llguidance's default limits
+        # on a grammar's size and the work of building it; each sequence then starts from a copy of it.
+        self._start = llg.LLMatcher(self._tokenizer, self._grammar, log_level=0)
+        if self._start.is_error():
+            raise ValueError(f"json_schema cannot be followed: {self._start.get_error()[:500]}")
 
     def matcher(self) -> "Matcher":
-        """A fresh matcher: the state of one sequence being written."""
-        m = Matcher(_llguidance().LLMatcher(self._tokenizer, self._grammar, log_level=0), self.vocab_size)
-        m._check()
-        return m
+        """A fresh matcher: the state of one sequence being written (a copy of the compiled start: cheap)."""
+        return Matcher(self._start.deep_copy(), self.vocab_size)
 
 
 class Matcher:

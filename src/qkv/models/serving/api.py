@@ -417,10 +417,7 @@ class _Server:
 
         sampling = dict(sampling)
         schema = sampling.pop("schema", None)
-        try:  # each choice writes its own answer: its own place in the schema's grammar
-            matchers = [None if schema is None else schema.matcher() for _ in range(len(prompts) * n)]
-        except ValueError as exc:
-            raise APIError(400, f"response_format: {exc}", param="response_format") from None
+        matchers = [None if schema is None else schema.matcher() for _ in range(len(prompts) * n)]  # each choice its own place in the grammar
         for i in range(len(prompts) * n):
             r = Request(prompt=list(prompts[i // n]), max_tokens=max_tokens, emit=emitter(i), seed=None if seed is None else seed + i, top_logprobs=top_logprobs, deadline=deadline,
                         matcher=matchers[i], **sampling)  # fmt: skip

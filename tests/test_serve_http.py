@@ -206,6 +206,7 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 5}}, 400, "logit_bias"),  # never wraps to the last token
     ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"262144": 5}}, 400, "logit_bias"),  # Gemma's vocabulary ends at 262,143
     ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),  # one token twice
     ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
     ("POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
     ("POST", "/v1/embeddings", {"input": "hi", "dimensions": 64}, 400, "dimensions"),

@@ -91,15 +91,14 @@ class JsonSchema:
             raise ValueError(f"json_schema is {len(text):,} bytes as JSON; the limit is {MAX_SCHEMA_BYTES:,}")
         llg = _llguidance()
         self.vocab_size = lm.config.vocab_size
-        self._eos = tuple(lm.tokenizer.eos_ids) if lm.tokenizer is not None else ()
         self._tokenizer = _vocabulary(lm)
         try:
-            self._grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_STYLE)
+            grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_STYLE)
         except ValueError as exc:
             raise ValueError(f"json_schema cannot be compiled: {str(exc)[:500]}") from None
         # Built once here (where a server calls this: off its event loop), within llguidance's default limits
         # on a grammar's size and the work of building it; each sequence then starts from a copy of it.
-        self._start = llg.LLMatcher(self._tokenizer, self._grammar, log_level=0)
+        self._start = llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if self._start.is_error():
             raise ValueError(f"json_schema cannot be followed: {self._start.get_error()[:500]}")
 

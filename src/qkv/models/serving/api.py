@@ -346,7 +346,7 @@ class _Server:
     async def _response_format(self, given: dict | None):
         """OpenAI's ``response_format``: None for text, else the :class:`~..engines.structured.JsonSchema` the answer
         follows (``json_object``: any JSON object). Compiled off the event loop: the model's first schema builds
-        llguidance's vocabulary (2 s for Gemma 3's)."""
+        llguidance's vocabulary (2 to 4 s for Gemma 3's)."""
         if given is None or given == {"type": "text"}:
             return None
         kind = given.get("type")
@@ -378,8 +378,8 @@ class _Server:
             return None
         ids = {}
         for key, bias in given.items():
-            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
-                raise APIError(400, f"logit_bias: a key should be a token id in decimal digits, got {key[:40]!r}", param="logit_bias")
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12 and str(int(key)) == key):  # "05" and "5" would be one token
+                raise APIError(400, f"logit_bias: a key should be a token id in decimal digits (no leading zero), got {key[:40]!r}", param="logit_bias")
             ids[int(key)] = bias
         try:
             return check_logit_bias(ids, self.lm.config.vocab_size)
@@ -399,7 +399,7 @@ class _Server:
             raise APIError(400, f"the prompt ({prompt_len} tokens) and max_tokens ({asked}) exceed this server's context of {lim.max_context} tokens", param="max_tokens", code="context_length_exceeded")
         return asked
 
-    async def _run(self, request: HTTPRequest, prompts: list, n: int, max_tokens: int, sampling: dict, seed, top_logprobs):
+    async def _run(self, request: HTTPRequest, prompts: list, n: int, max_tokens: int, sampling: dict, seed, top_logprobs, schema):
         """Submit ``n`` choices of each prompt (choice ``p * n + j``: OpenAI's order); yield (choice index, kind,
         payload) as the engine sends them; cancel on exit."""
         if len(prompts) * n > self.scheduler.max_waiting:  # never queued whole: a 429 would be retried for ever
@@ -415,8 +415,6 @@ class _Server:
 
             return emit
 
-        sampling = dict(sampling)
-        schema = sampling.pop("schema", None)
         matchers = [None if schema is None else schema.matcher() for _ in range(len(prompts) * n)]  # each choice its own place in the grammar
         for i in range(len(prompts) * n):
             r = Request(prompt=list(prompts[i // n]), max_tokens=max_tokens, emit=emitter(i), seed=None if seed is None else seed + i, top_logprobs=top_logprobs, deadline=deadline,
@@ -489,8 +487,8 @@ class _Server:
             except (TypeError, ValueError) as exc:
                 raise APIError(400, str(exc), param="prompt") from None
         max_tokens = self._max_tokens(body.max_tokens, max(map(len, prompts)), 16)
-        sampling["schema"] = await self._response_format(body.response_format)
-        return await self._respond(request, "text_completion", body, prompts, max_tokens, sampling, body.logprobs)
+        schema = await self._response_format(body.response_format)
+        return await self._respond(request, "text_completion", body, prompts, max_tokens, sampling, body.logprobs, schema)
 
     async def chat(self, request: HTTPRequest) -> Response:
         body = await _read_json(request, self.limits, ChatBody)
@@ -529,12 +527,12 @@ class _Server:
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._max_tokens(asked, len(prompt), self.limits.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        sampling["schema"] = await self._response_format(body.response_format)
-        return await self._respond(request, "chat.completion", body, [prompt], max_tokens, sampling, top)
+        schema = await self._response_format(body.response_format)
+        return await self._respond(request, "chat.completion", body, [prompt], max_tokens, sampling, top, schema)
 
-    async def _respond(self, request, kind, body, prompts, max_tokens, sampling, top) -> Response:
+    async def _respond(self, request, kind, body, prompts, max_tokens, sampling, top, schema) -> Response:
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
-        gen = self._run(request, prompts, body.n, max_tokens, sampling, body.seed, top)
+        gen = self._run(request, prompts, body.n, max_tokens, sampling, body.seed, top, schema)
         n = len(prompts) * body.n  # choices
         first = await gen.__anext__()  # a 429 is raised here, before any byte of the response
         if body.stream:
